@@ -1,0 +1,35 @@
+# Two commands for a new user: `make demo` and `make test`. Each sets itself up from nothing
+# and is idempotent: the install step reruns only when pyproject.toml changes.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip --disable-pip-version-check
+STAMP := $(VENV)/.warsha-installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-slow report clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	@# torch first, alone: any other order lets a dependency pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[demo,dev]'
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/warsha run recipes/arabic-tiny.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf runs

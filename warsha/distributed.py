@@ -1,0 +1,46 @@
+"""Process rank and barriers for runs under ``accelerate launch``, ``torchrun`` or ``deepspeed``.
+
+Every process runs every stage (training needs them all), but only rank 0 writes artifacts;
+the others wait at a barrier so that no process reads an artifact before it is in place.
+Rank and world size come from the launcher's environment, so a single-process run never
+imports torch.distributed at all.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def world_size() -> int:
+    """Number of processes the launcher started (1 when not launched)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's global rank (0 when not launched)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """Whether this process writes artifacts."""
+    return rank() == 0
+
+
+def init(device: str) -> None:
+    """Create the process group once, on CPU with gloo when there is no GPU (STACK.md)."""
+    if world_size() <= 1:
+        return
+    import torch
+    from accelerate import PartialState
+
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    PartialState(cpu=cpu)
+
+
+def barrier() -> None:
+    """Wait for every process (no-op when single-process)."""
+    if world_size() <= 1:
+        return
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()

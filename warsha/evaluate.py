@@ -1,0 +1,184 @@
+"""The metrics every stage reports, defined once (DESIGN.md section 6).
+
+- fertility: tokens per whitespace-separated word of normalised text;
+- bits per character: summed negative log-likelihood in bits over characters, which compares
+  models with different tokenizers where per-token perplexity does not;
+- perplexity: exp of the mean per-token negative log-likelihood (same tokenizer only).
+
+Likelihoods use strided sliding windows, so documents longer than the model's context are
+scored with as much context as the window allows rather than truncated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Fertility:
+    """Token statistics of one tokenizer on one set of texts."""
+
+    tokens: int
+    words: int
+    chars: int
+
+    @property
+    def tokens_per_word(self) -> float:
+        """Fertility: the figure that tells what a request costs in tokens."""
+        return self.tokens / max(self.words, 1)
+
+    @property
+    def chars_per_token(self) -> float:
+        """Compression: characters each token carries."""
+        return self.chars / max(self.tokens, 1)
+
+    def as_dict(self) -> dict[str, float]:
+        """Manifest form."""
+        return {
+            "tokens_per_word": self.tokens_per_word,
+            "chars_per_token": self.chars_per_token,
+            "tokens": self.tokens,
+            "words": self.words,
+            "chars": self.chars,
+        }
+
+
+def fertility(encode: Callable[[list[str]], list[list[int]]], texts: Sequence[str]) -> Fertility:
+    """Fertility of ``encode`` (a batch encoder without special tokens) on ``texts``."""
+    ids = encode(list(texts))
+    return Fertility(
+        tokens=sum(len(x) for x in ids),
+        words=sum(len(t.split()) for t in texts),
+        chars=sum(len(t) for t in texts),
+    )
+
+
+def hf_encoder(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
+    """A batch encoder over an HF tokenizer that adds no special tokens."""
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    return encode
+
+
+@dataclass
+class Likelihood:
+    """Summed negative log-likelihood of some texts under a model."""
+
+    nll_nats: float
+    tokens: int
+    chars: int
+
+    @property
+    def bits_per_char(self) -> float:
+        """Tokenizer-independent quality: bits to encode each character."""
+        return self.nll_nats / math.log(2) / max(self.chars, 1)
+
+    @property
+    def perplexity(self) -> float:
+        """Per-token perplexity (compare only between models sharing a tokenizer)."""
+        return math.exp(self.nll_nats / max(self.tokens, 1))
+
+    def as_dict(self) -> dict[str, float]:
+        """Manifest form."""
+        return {
+            "bits_per_char": self.bits_per_char,
+            "perplexity": self.perplexity,
+            "tokens": self.tokens,
+            "chars": self.chars,
+        }
+
+
+def windows(n: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """Sliding windows ``(begin, end, scored)`` over ``n`` tokens: each window scores only
+    its last ``scored`` targets, so every token after the first is scored exactly once."""
+    out = []
+    prev_end = 1  # token 0 (BOS) is context only, never a target
+    begin = 0
+    while prev_end < n:
+        end = min(begin + max_length, n)
+        out.append((begin, end, end - prev_end))
+        prev_end = end
+        begin = max(end - (max_length - stride), begin + 1) if end < n else end
+    return out
+
+
+def likelihood(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    max_length: int,
+    batch_size: int = 8,
+    stride: int | None = None,
+    desc: str = "likelihood",
+) -> Likelihood:
+    """Score ``texts`` (each with BOS) in batched sliding windows of ``max_length``."""
+    import torch
+
+    stride = stride or max_length // 2
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    jobs = [(doc, w) for doc in ids for w in windows(len(doc), max_length, stride)]
+    total = 0.0
+    device = next(model.parameters()).device
+    from tqdm.auto import tqdm
+
+    with torch.inference_mode():
+        for start in tqdm(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
+            total += _score_batch(model, jobs[start : start + batch_size], device)
+    return Likelihood(
+        nll_nats=total,
+        tokens=sum(max(len(d) - 1, 0) for d in ids),
+        chars=sum(len(t) for t in texts),
+    )
+
+
+def _score_batch(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], device: Any) -> float:
+    import torch
+
+    width = max(end - begin for _, (begin, end, _) in jobs)
+    input_ids = torch.zeros(len(jobs), width, dtype=torch.long)
+    labels = torch.full((len(jobs), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(jobs), width, dtype=torch.long)
+    for row, (doc, (begin, end, scored)) in enumerate(jobs):
+        chunk = torch.tensor(doc[begin:end])
+        input_ids[row, : len(chunk)] = chunk
+        mask[row, : len(chunk)] = 1
+        labels[row, len(chunk) - scored : len(chunk)] = chunk[len(chunk) - scored :]
+    logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
+    return _shifted_nll(logits.float(), labels.to(device))
+
+
+def _shifted_nll(logits: "torch.Tensor", labels: "torch.Tensor") -> float:
+    import torch.nn.functional as F
+
+    logp = F.log_softmax(logits[:, :-1], dim=-1)
+    target = labels[:, 1:]
+    valid = target != -100
+    picked = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return float(-(picked * valid).sum())
+
+
+def unigram_bits_per_char(train_ids: Sequence[Sequence[int]], texts: Sequence[str], tokenizer: Any) -> float:
+    """Bits per character of an add-one-smoothed unigram model over the same tokenizer.
+
+    The floor any trained language model must beat: it proves the bootstrap model learned
+    more than token frequencies.
+    """
+    from collections import Counter
+
+    counts: Counter[int] = Counter()
+    for seq in train_ids:
+        counts.update(seq)
+    vocab = len(tokenizer)
+    total = sum(counts.values()) + vocab
+    nll = 0.0
+    for seq in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        nll -= sum(math.log((counts[t] + 1) / total) for t in seq)
+    return nll / math.log(2) / max(sum(len(t) for t in texts), 1)

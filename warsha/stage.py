@@ -1,0 +1,76 @@
+"""The contract between the pipeline runner and a stage.
+
+A stage package (``tokenizer_ext``, ``context_ext``, ...) exposes a module ``<package>.stages``
+with a ``STAGES`` dict of :class:`StageDef`. That module must import fast (dataclasses and this
+file only; heavy libraries are imported inside ``run``), because the runner imports it to
+validate a recipe in well under a second. The runner owns directories, manifests, hashing,
+skipping and resuming; a stage only reads ``ctx.inputs`` and writes into ``ctx.out_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from warsha.config import Recipe
+    from warsha.data import Corpus
+    from warsha.tracking import Tracker
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """A registered stage: its full name, parameter dataclass and entry point.
+
+    ``inputs`` names the artifact roles the stage reads (``model`` is the previous stage's
+    output unless the recipe maps it elsewhere); an empty tuple means the stage creates a model
+    from nothing (``bootstrap``). ``training`` stages get a resumable checkpoint directory.
+    """
+
+    name: str
+    params: type
+    run: Callable[["StageContext", Any], dict[str, Any]]
+    description: str
+    inputs: tuple[str, ...] = ("model",)
+    training: bool = False
+    uses_data: bool = True
+
+
+@dataclass
+class StageContext:
+    """Everything a stage may use; built by the pipeline, one per stage run.
+
+    ``out_dir`` is the temporary sibling the runner later renames into place: write only
+    there, and only on the main process (``ctx.is_main``). ``checkpoint_dir`` lives inside it
+    and survives a killed run, which is how training stages resume.
+    """
+
+    stage: str
+    stage_id: str
+    recipe: "Recipe"
+    out_dir: Path
+    inputs: dict[str, Path]
+    input_manifests: dict[str, dict[str, Any] | None]
+    checkpoint_dir: Path
+    tracker: "Tracker"
+    device: str
+    seed: int
+    is_main: bool = True
+    world_size: int = 1
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("warsha"))
+    _corpus: "Corpus | None" = None
+
+    def corpus(self) -> "Corpus":
+        """The recipe's corpus, loaded once per process and shared by the stage's code."""
+        if self._corpus is None:
+            from warsha.data import load_corpus
+
+            self._corpus = load_corpus(self.recipe.data, seed=self.recipe.seed)
+        return self._corpus
+
+    @property
+    def model_dir(self) -> Path:
+        """The ``model`` input: the artifact this stage transforms."""
+        return self.inputs["model"]

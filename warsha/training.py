@@ -1,0 +1,247 @@
+"""The one training loop every training stage shares: resumable, accelerate-driven.
+
+Why one loop: checkpoint/resume, the cosine schedule, gradient accumulation, bf16 autocast,
+the progress bar and tracker logging must behave the same in bootstrap, adaptation, the
+long-context fine-tune and distillation, and a fix to one is a fix to all. Batches are a pure
+function of (seed, step, micro-step, rank), so a resumed run sees exactly the batches the
+killed run would have seen, with no data-loader state to save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from warsha.schema import check, ge, gt
+
+if TYPE_CHECKING:
+    import torch
+
+    from warsha.stage import StageContext
+
+log = logging.getLogger("warsha.training")
+Batch = dict[str, Any]
+
+
+@dataclass
+class TrainParams:
+    """Optimisation settings shared by all training stages (a ``train:`` block in a recipe)."""
+
+    steps: int = field(default=100, metadata=check(ge(0), help="optimizer steps"))
+    batch_size: int = field(default=8, metadata=check(ge(1), help="sequences per micro-batch per process"))
+    seq_len: int = field(default=256, metadata=check(ge(8), help="tokens per sequence"))
+    lr: float = field(default=1e-3, metadata=check(gt(0.0)))
+    warmup_steps: int = field(default=10, metadata=check(ge(0)))
+    min_lr_ratio: float = field(default=0.1, metadata=check(ge(0.0)))
+    grad_accum: int = field(default=1, metadata=check(ge(1)))
+    weight_decay: float = field(default=0.0, metadata=check(ge(0.0)))
+    max_grad_norm: float = field(default=1.0, metadata=check(gt(0.0)))
+    checkpoint_every: int = field(default=50, metadata=check(ge(1), help="steps between checkpoints"))
+    log_every: int = field(default=10, metadata=check(ge(1)))
+    bf16: bool = field(default=True, metadata=check(help="bf16 autocast (faster on CPU and GPU)"))
+
+
+@dataclass
+class TrainResult:
+    """What a run did: the per-step losses and its throughput."""
+
+    losses: list[float]
+    tokens: int
+    seconds: float
+    resumed_from: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training throughput over the part of the run this process executed."""
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def summary(self, n: int = 10) -> dict[str, float]:
+        """Mean loss over the first and last ``n`` steps, and throughput."""
+        head = self.losses[:n] or [math.nan]
+        tail = self.losses[-n:] or [math.nan]
+        return {
+            "loss_first": sum(head) / len(head),
+            "loss_last": sum(tail) / len(tail),
+            "train_tokens_per_s": self.tokens_per_s,
+            "steps_run": len(self.losses),
+            "resumed_from_step": self.resumed_from,
+        }
+
+
+def lr_multiplier(step: int, p: TrainParams) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at the last step."""
+    if step < p.warmup_steps:
+        return (step + 1) / p.warmup_steps
+    span = max(p.steps - p.warmup_steps, 1)
+    progress = min((step - p.warmup_steps) / span, 1.0)
+    return p.min_lr_ratio + (1 - p.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_accelerator(device: str, p: TrainParams, **kwargs: Any) -> Any:
+    """An ``Accelerator`` on the recipe's device; ``cpu=True`` also makes gloo DDP work.
+
+    accelerate keeps process-wide state; it is reset so that several stages (each with its own
+    precision and accumulation) can run in one process, as the pipeline and tests do.
+    """
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision="bf16" if p.bf16 else "no",
+        gradient_accumulation_steps=p.grad_accum,
+        **kwargs,
+    )
+
+
+def pack_documents(tokenizer: Any, texts: list[str], max_tokens: int | None = None) -> "torch.Tensor":
+    """One long stream of BOS+document+EOS ids, the input that ``random_windows`` samples."""
+    import torch
+
+    ids: list[int] = []
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    for start in range(0, len(texts), 512):
+        for doc in tokenizer(texts[start : start + 512], add_special_tokens=False)["input_ids"]:
+            ids.extend(([bos] if bos is not None else []) + doc + ([eos] if eos is not None else []))
+        if max_tokens and len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+
+
+def random_windows(
+    stream: "torch.Tensor", batch_size: int, seq_len: int, seed: int, *key: int
+) -> "torch.Tensor":
+    """``batch_size`` windows of ``seq_len`` tokens at offsets fixed by ``(seed, *key)``."""
+    import torch
+
+    if len(stream) <= seq_len:
+        raise ValueError(
+            f"training data: {len(stream)} tokens cannot fill one sequence of {seq_len};"
+            " add text or lower train.seq_len"
+        )
+    gen = torch.Generator().manual_seed(_mix(seed, *key))
+    starts = torch.randint(0, len(stream) - seq_len, (batch_size,), generator=gen)
+    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+
+
+def _mix(*values: int) -> int:
+    h = 1469598103934665603
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFF)) * 1099511628211) % 2**63
+    return h
+
+
+def causal_lm_loss(model: Any, batch: Batch) -> "torch.Tensor":
+    """The plain next-token loss (labels are the inputs; the model shifts them)."""
+    return model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
+
+
+@dataclass
+class Trainer:
+    """Runs ``p.steps`` optimizer steps of ``model`` on batches from ``batch_fn``.
+
+    ``batch_fn(step, micro, rank)`` returns a batch dict for one micro-batch; ``loss_fn``
+    turns a batch into a scalar loss (default: causal LM loss). ``parameters`` restricts what
+    is optimised (default: every parameter that requires grad).
+    """
+
+    model: Any
+    p: TrainParams
+    ctx: "StageContext"
+    batch_fn: Callable[[int, int, int], Batch]
+    loss_fn: Callable[[Any, Batch], "torch.Tensor"] = causal_lm_loss
+    accelerator: Any = None
+    name: str = "train"
+    parameters: list[Any] | None = None
+
+    def run(self) -> TrainResult:
+        """Train, checkpointing every ``checkpoint_every`` steps; resume if a checkpoint exists."""
+        import torch
+        from tqdm.auto import tqdm
+
+        acc = self.accelerator or make_accelerator(self.ctx.device, self.p)
+        params = self.parameters or [q for q in self.model.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.p.lr, weight_decay=self.p.weight_decay)
+        model, opt = acc.prepare(self.model, opt)
+        start = self._resume(acc)
+        losses: list[float] = []
+        tokens, t0 = 0, time.perf_counter()
+        bar = tqdm(range(start, self.p.steps), initial=start, total=self.p.steps, desc=self.name,
+                   disable=not acc.is_main_process, unit="step")
+        for step in bar:
+            loss, n_tok = self._step(acc, model, opt, step)
+            losses.append(loss)
+            tokens += n_tok * acc.num_processes
+            self._report(bar, step, loss, tokens / max(time.perf_counter() - t0, 1e-9))
+            if (step + 1) % self.p.checkpoint_every == 0 and step + 1 < self.p.steps:
+                self._checkpoint(acc, step + 1)
+        acc.wait_for_everyone()
+        self.model = acc.unwrap_model(model)
+        return TrainResult(losses, tokens, time.perf_counter() - t0, start)
+
+    def _step(self, acc: Any, model: Any, opt: Any, step: int) -> tuple[float, int]:
+        # The learning rate is a pure function of the step: nothing to save or restore.
+        for group in opt.param_groups:
+            group["lr"] = self.p.lr * lr_multiplier(step, self.p)
+        total, n_tok = 0.0, 0
+        for micro in range(self.p.grad_accum):
+            batch = {k: v.to(acc.device) for k, v in self.batch_fn(step, micro, acc.process_index).items()}
+            with acc.accumulate(model), acc.autocast():
+                loss = self.loss_fn(model, batch)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), self.p.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            total += float(loss.detach()) / self.p.grad_accum
+            n_tok += int(batch["input_ids"].numel())
+        if not math.isfinite(total):
+            raise FloatingPointError(f"{self.name}: loss became {total} at step {step}; lower train.lr")
+        return total, n_tok
+
+    def _report(self, bar: Any, step: int, loss: float, tok_s: float) -> None:
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        if (step + 1) % self.p.log_every == 0 or step + 1 == self.p.steps:
+            self.ctx.tracker.log({f"{self.name}/loss": loss, f"{self.name}/tokens_per_s": tok_s}, step + 1)
+
+    def _ckpt_root(self) -> Path:
+        return self.ctx.checkpoint_dir / self.name
+
+    def _checkpoint(self, acc: Any, step: int) -> None:
+        """Write ``step-N`` atomically: a killed save leaves only a ``.tmp`` that is ignored."""
+        root = self._ckpt_root()
+        tmp = root / f"step-{step}.tmp"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            (tmp / "warsha_step.json").write_text(json.dumps({"step": step}))
+            tmp.rename(root / f"step-{step}")
+            for old in root.glob("step-*"):
+                if old.name != f"step-{step}":
+                    shutil.rmtree(old, ignore_errors=True)
+            log.info("%s: checkpoint at step %d", self.name, step)
+        acc.wait_for_everyone()
+
+    def _resume(self, acc: Any) -> int:
+        done = [d for d in self._ckpt_root().glob("step-*") if (d / "warsha_step.json").is_file()]
+        if not done:
+            return 0
+        latest = max(done, key=lambda d: json.loads((d / "warsha_step.json").read_text())["step"])
+        acc.load_state(str(latest))
+        step = json.loads((latest / "warsha_step.json").read_text())["step"]
+        log.info("%s: resumed from checkpoint at step %d", self.name, step)
+        return step

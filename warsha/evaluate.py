@@ -152,7 +152,9 @@ def _score_batch(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]],
         mask[row, : len(chunk)] = 1
         labels[row, len(chunk) - scored : len(chunk)] = chunk[len(chunk) - scored :]
     logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
-    return _shifted_nll(logits.float(), labels.to(device))
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()  # low-precision log-softmax over a large vocabulary loses bits
+    return _shifted_nll(logits, labels.to(device))
 
 
 def _shifted_nll(logits: "torch.Tensor", labels: "torch.Tensor") -> float:

@@ -55,6 +55,7 @@ class TrainResult:
     tokens: int
     seconds: float
     resumed_from: int
+    world_size: int = 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,6 +72,7 @@ class TrainResult:
             "train_tokens_per_s": self.tokens_per_s,
             "steps_run": len(self.losses),
             "resumed_from_step": self.resumed_from,
+            "world_size": self.world_size,
         }
 
 
@@ -141,6 +143,26 @@ def _mix(*values: int) -> int:
     return h
 
 
+def check_ranks_in_sync(acc: Any, model: Any, name: str) -> bool:
+    """Raise if data-parallel ranks ended with different weights.
+
+    A launcher that silently starts independent single-process runs (STACK.md: ``accelerate
+    launch --cpu``, or ``torchrun`` without ``cpu=True``) trains diverging copies with no
+    error; comparing a float64 checksum of the parameters across ranks catches it.
+    """
+    import torch
+
+    if acc.num_processes <= 1 or acc.distributed_type.name.startswith("DEEPSPEED"):
+        return True
+    with torch.no_grad():
+        local = torch.stack([sum(p.double().sum() for p in model.parameters()),
+                             sum(p.double().square().sum() for p in model.parameters())])
+    gathered = acc.gather(local.to(acc.device).unsqueeze(0)).cpu()
+    if not torch.allclose(gathered, gathered[:1].expand_as(gathered), rtol=1e-9, atol=0):
+        raise RuntimeError(f"{name}: parameters differ across {acc.num_processes} ranks after training")
+    return True
+
+
 def causal_lm_loss(model: Any, batch: Batch) -> "torch.Tensor":
     """The plain next-token loss (labels are the inputs; the model shifts them)."""
     return model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
@@ -187,7 +209,8 @@ class Trainer:
                 self._checkpoint(acc, step + 1)
         acc.wait_for_everyone()
         self.model = acc.unwrap_model(model)
-        return TrainResult(losses, tokens, time.perf_counter() - t0, start)
+        check_ranks_in_sync(acc, self.model, self.name)
+        return TrainResult(losses, tokens, time.perf_counter() - t0, start, acc.num_processes)
 
     def _step(self, acc: Any, model: Any, opt: Any, step: int) -> tuple[float, int]:
         # The learning rate is a pure function of the step: nothing to save or restore.

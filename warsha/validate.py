@@ -26,7 +26,8 @@ class ValidateParams:
     max_tokens: int = field(default=64, metadata=check(ge(1)))
     num_speculative_tokens: int = field(default=4, metadata=check(ge(1)))
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = field(
+        default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties"))
     kv_cache_memory_gb: float = field(default=0.5, metadata=check(help="KV pool size per engine"))
 
     def validate(self) -> list[str]:

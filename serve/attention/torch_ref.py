@@ -1,0 +1,225 @@
+"""Torch paged attention for CPU: one block gather + two batched matmuls per query-length group.
+
+Why this shape: decode steps (query length 1) of all running sequences become one batched
+computation over their cached keys; verification chunks of speculative decoding (query length
+k+1) batch the same way; a prefill chunk with no cached context skips the gather and runs causal
+SDPA on the fresh keys. Keys are gathered by whole blocks with `index_select` from the
+heads-first cache ([kv_heads, slots, head_dim]), which yields [kv_heads, B, L, head_dim] without
+a transpose copy; GQA query heads are grouped onto their KV head so K/V are never repeated.
+All index and mask arithmetic happens once per forward in `build_metadata`, never per layer and
+never per token in Python. Scores and softmax run in float32.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from serve.attention.backend import SeqChunk
+from serve.kv_cache import block_table_tensor, slots_for
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences sharing one query length, attended to together."""
+
+    query_len: int
+    batch: int
+    row_range: tuple[int, int] | None  # contiguous token rows, else `rows`
+    rows: torch.Tensor | None  # [B * Q] token rows
+    block_ids: torch.Tensor | None  # [B * max_blocks] blocks to gather; None for a fresh causal chunk
+    num_blocks: int
+    block_size: int
+    mask: torch.Tensor | None  # [B, Q, L] additive float32 (0 / -inf); None if nothing to mask
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Per-forward indices shared by all layers."""
+
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup]
+    num_tokens: int
+
+
+def _check_layout(chunks: list[SeqChunk]) -> None:
+    """Chunks must tile the flat batch in order; the engine builds them that way."""
+    expected = 0
+    for c in chunks:
+        if c.query_start != expected or c.query_len < 1 or c.context_len < c.query_len:
+            raise ValueError(f"attention metadata: chunk {c} does not continue the batch at row {expected}")
+        if not c.block_table:
+            raise ValueError(f"attention metadata: chunk {c} has an empty block table")
+        expected += c.query_len
+
+
+def split_by_context(idx: list[int], lengths: list[int], min_group: int = 8) -> list[list[int]]:
+    """Split a same-query-length group so that padding to the longest context stays bounded.
+
+    Sequences are sorted by context length and cut where a context falls below half of its
+    group's longest; groups smaller than `min_group` are merged into their neighbour because
+    every group costs a fixed number of op launches per layer.
+    """
+    if len(idx) <= min_group:
+        return [idx]
+    order = sorted(range(len(idx)), key=lambda j: -lengths[j])
+    parts: list[list[int]] = [[]]
+    longest = lengths[order[0]]
+    for j in order:
+        if lengths[j] * 2 < longest and len(parts[-1]) >= min_group and len(order) - sum(map(len, parts)) >= min_group:
+            parts.append([])
+            longest = lengths[j]
+        parts[-1].append(idx[j])
+    return [sorted(p) for p in parts]
+
+
+class TorchPagedAttention:
+    """The reference backend (CPU, and CUDA until Triton kernels exist)."""
+
+    name = "torch"
+
+    def build_metadata(self, chunks: list[SeqChunk], block_size: int) -> TorchAttentionMetadata:
+        """Slot mapping for the new tokens and one gather plan per query-length group."""
+        _check_layout(chunks)
+        tables = block_table_tensor([c.block_table for c in chunks])
+        # plain lists: for a decode step these are a handful of ints, and small torch ops
+        # (repeat_interleave above all) cost more than the arithmetic itself
+        seq_of_token = [i for i, c in enumerate(chunks) for _ in range(c.query_len)]
+        positions = [p for c in chunks for p in range(c.context_len - c.query_len, c.context_len)]
+        num_tokens = len(positions)
+        slot_mapping = slots_for(tables, torch.tensor(seq_of_token), torch.tensor(positions), block_size)
+        by_len: dict[int, list[int]] = defaultdict(list)
+        for i, c in enumerate(chunks):
+            by_len[c.query_len].append(i)
+        groups = [
+            self._group(chunks, part, tables, block_size)
+            for idx in by_len.values()
+            for part in split_by_context(idx, [chunks[i].context_len for i in idx])
+        ]
+        return TorchAttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=num_tokens)
+
+    @staticmethod
+    def _group(chunks: list[SeqChunk], idx: list[int], tables: torch.Tensor, block_size: int) -> AttentionGroup:
+        """Gather plan and additive mask for the sequences `idx`, which share one query length."""
+        q_len = chunks[idx[0]].query_len
+        first = chunks[idx[0]].query_start
+        contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+        row_range = (first, first + q_len * len(idx)) if contiguous else None
+        rows = None if contiguous else (torch.tensor([chunks[i].query_start for i in idx])[:, None] + torch.arange(q_len)).reshape(-1)
+        ctx = torch.tensor([chunks[i].context_len for i in idx])
+        if len(idx) == 1 and int(ctx[0]) == q_len:
+            return AttentionGroup(q_len, 1, row_range, rows, None, 0, block_size, None)
+        n_blocks = -(-int(ctx.max()) // block_size)
+        block_ids = tables[torch.tensor(idx)][:, :n_blocks].reshape(-1)
+        length = n_blocks * block_size
+        mask = None
+        if q_len > 1 or bool((ctx != length).any()):
+            q_pos = (ctx - q_len)[:, None] + torch.arange(q_len)[None, :]
+            allowed = torch.arange(length)[None, None, :] <= q_pos[:, :, None]
+            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        return AttentionGroup(q_len, len(idx), row_range, rows, block_ids, n_blocks, block_size, mask)
+
+    def slot_mapping(self, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        """Cache slot of every new token."""
+        return metadata.slot_mapping
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, H, D] against one layer's paged cache [Hkv, slots, D]; returns [T, H, D]."""
+        groups = metadata.groups
+        if len(groups) == 1 and groups[0].row_range == (0, q.shape[0]):
+            return self._group_forward(q, k_new, v_new, k_cache, v_cache, groups[0], scale).reshape(q.shape)
+        out = torch.empty_like(q)
+        for g in groups:
+            o = self._group_forward(q, k_new, v_new, k_cache, v_cache, g, scale).reshape(-1, *q.shape[1:])
+            if g.row_range is not None:
+                out[g.row_range[0] : g.row_range[1]] = o
+            else:
+                out.index_copy_(0, g.rows, o)
+        return out
+
+    @staticmethod
+    def _take(x: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """Rows of group `g` from a flat [T, heads, D] tensor, as [B, Q, heads, D]."""
+        part = x[g.row_range[0] : g.row_range[1]] if g.row_range is not None else x.index_select(0, g.rows)
+        return part.reshape(g.batch, g.query_len, *x.shape[1:])
+
+    def _group_forward(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        g: AttentionGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention for one group; output [B, Q, H, D]."""
+        qg = self._take(q, g)
+        if g.block_ids is None:
+            o = F.scaled_dot_product_attention(
+                qg.transpose(1, 2), self._take(k_new, g).transpose(1, 2), self._take(v_new, g).transpose(1, 2),
+                is_causal=g.query_len > 1, scale=scale, enable_gqa=True,
+            )
+            return o.transpose(1, 2)
+        kv_heads, _, dim = k_cache.shape
+        batch, q_len, heads = g.batch, g.query_len, q.shape[1]
+        group = heads // kv_heads
+        keys = self._gather(k_cache, g)
+        values = self._gather(v_cache, g)
+        length = keys.shape[2]
+        # [B, Q, Hkv, G, D] -> [Hkv, B, G*Q, D]: query heads grouped onto their KV head
+        qh = qg.reshape(batch, q_len, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, batch, group * q_len, dim)
+        scores = torch.matmul(qh, keys.transpose(-1, -2)).float().mul_(scale)
+        scores = scores.view(kv_heads, batch, group, q_len, length)
+        if g.mask is not None:
+            scores = scores + g.mask[None, :, None]
+        probs = scores.softmax(-1).to(values.dtype).view(kv_heads, batch, group * q_len, length)
+        o = torch.matmul(probs, values).view(kv_heads, batch, group, q_len, dim)
+        return o.permute(1, 3, 0, 2, 4).reshape(batch, q_len, heads, dim)
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        """Whole blocks of the group's sequences: [Hkv, slots, D] -> [Hkv, B, L, D], one copy."""
+        kv_heads, _, dim = cache.shape
+        picked = cache.view(kv_heads, -1, g.block_size * dim).index_select(1, g.block_ids)
+        return picked.view(kv_heads, g.batch, g.num_blocks * g.block_size, dim)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunks: list[SeqChunk],
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Slow, obviously-correct paged attention: per sequence, slot by slot, explicit softmax.
+
+    Caches are one layer's [kv_heads, slots, head_dim]. Kept as the oracle that the fast path
+    and future kernels are tested against.
+    """
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    out = torch.empty_like(q)
+    for c in chunks:
+        slots = [c.block_table[p // block_size] * block_size + p % block_size for p in range(c.context_len)]
+        k = k_cache[:, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[:, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=1)
+        qc = q[c.query_start : c.query_start + c.query_len].float()
+        scores = torch.einsum("qhd,khd->hqk", qc, k) * scale
+        q_pos = torch.arange(c.context_len - c.query_len, c.context_len)
+        allowed = torch.arange(c.context_len)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        out[c.query_start : c.query_start + c.query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,359 @@
+"""`LLM`: the serving engine's public entry point (offline `generate` and the step API).
+
+One step = schedule (scheduler, no torch) -> optional draft proposals -> one target forward ->
+sample or verify -> bookkeeping. All state lives in the `LLM` instance and is passed down
+explicitly; there is no global context, so several engines can live in one process (the
+benchmark runs the engine with and without a draft side by side).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from serve.block_manager import BlockManager
+from serve.config import ModelConfig
+from serve.kv_cache import KVCache
+from serve.model import LlamaModel, resolve_dtype
+from serve.runner import ModelRunner, Proposal, TargetOutput
+from serve.sampler import Sampler, SamplingParams
+from serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from serve.sequence import Sequence, SequenceStatus
+from serve.spec_decode import SpecController
+from serve.stats import EngineStats
+from serve.tokenizer import Tokenizer, first_vocab_difference
+
+Prompt = str | list[int]
+NewTokens = dict[int, list[tuple[int, dict[int, float] | None]]]  # batch row -> (token, logprobs) in order
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. `text` is filled once the request finished."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+class LLM:
+    """Load a Llama-family model (optionally a draft) and serve requests on CPU."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "bfloat16",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_waiting: int = 4096,
+        max_tokens_in_flight: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_speculative_tokens: int = 4,
+        adaptive_speculation: bool = True,
+        seed: int = 0,
+    ) -> None:
+        torch_dtype = resolve_dtype(dtype)
+        self.config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
+        target = LlamaModel.load(model_dir, torch_dtype)
+        draft = self._load_draft(draft_dir, torch_dtype) if draft_dir is not None else None
+        self.max_model_len = self._resolve_max_len(max_model_len)
+        num_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_gb, block_size, torch_dtype, draft, max_num_seqs)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, max_waiting, max_tokens_in_flight)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.runner = ModelRunner(
+            target, target.new_kv_cache(num_blocks, block_size), draft, draft.new_kv_cache(num_blocks, block_size) if draft else None, seed
+        )
+        self.spec = SpecController(num_speculative_tokens, adaptive_speculation) if draft else None
+        self.sampler = Sampler(seed)
+        self.stats = EngineStats()
+        self._generators: dict[str, torch.Generator] = {}
+        self._logprobs: dict[str, list[dict[int, float]]] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
+        self._step_spec = (0, 0)
+
+    # ----------------------------------------------------------------- loading
+    def _load_draft(self, draft_dir: str | Path, dtype: torch.dtype) -> LlamaModel:
+        """Load the draft and refuse it when its vocabulary differs from the target's."""
+        draft_cfg = ModelConfig.from_dir(draft_dir)
+        has_tok = (Path(draft_dir) / "tokenizer.json").is_file()
+        if self.tokenizer is not None and has_tok:
+            diff = first_vocab_difference(self.tokenizer, Tokenizer(draft_dir))
+            if diff is not None:
+                i, a, b = diff
+                raise ValueError(
+                    f"draft {draft_dir} has a different vocabulary from the target: first differing id {i} "
+                    f"(target {a!r}, draft {b!r}); the draft must use the target's exact tokenizer"
+                )
+        if draft_cfg.vocab_size != self.config.vocab_size:
+            first = min(draft_cfg.vocab_size, self.config.vocab_size)
+            raise ValueError(
+                f"draft {draft_dir} has vocab_size {draft_cfg.vocab_size}, the target {self.config.vocab_size}: first "
+                f"differing id {first}; the draft must use the target's exact vocabulary"
+            )
+        return LlamaModel.load(draft_dir, dtype)
+
+    def _resolve_max_len(self, requested: int | None) -> int:
+        """The served context length: the model's, or a smaller one the user asked for."""
+        limit = self.config.max_model_len
+        if requested is None:
+            return limit
+        if not 1 <= requested <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
+        return requested
+
+    def _num_blocks(self, num_blocks: int | None, memory_gb: float, block_size: int, dtype: torch.dtype, draft: LlamaModel | None, max_seqs: int) -> int:
+        """KV blocks from an explicit count or a memory budget (capped at what max_num_seqs can use)."""
+        if num_blocks is not None:
+            return num_blocks
+        if memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {memory_gb}")
+        c = self.config
+        per_block = KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
+        if draft is not None:
+            d = draft.config
+            per_block += KVCache.bytes_per_block(d.num_layers, block_size, d.num_kv_heads, d.head_dim, dtype)
+        useful = max_seqs * -(-self.max_model_len // block_size) + 1
+        return max(1, min(int(memory_gb * 2**30) // per_block, useful))
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its id. Raises AdmissionError if refused."""
+        params = sampling_params or SamplingParams()
+        ids = self._encode(prompt)
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params.max_tokens, time.perf_counter(), params=params)
+        seq.spec_allowed = not params.has_penalties and params.logprobs is None
+        self.scheduler.add(seq)
+        self._seqs[rid] = seq
+        if params.seed is not None:
+            self._generators[rid] = torch.Generator().manual_seed(params.seed)
+        return rid
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text or token-id prompt."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompt given but the model directory has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; False if it was unknown or already done."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._release(seq)
+        self._seqs.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests wait or run."""
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling iteration; outputs for requests that advanced or finished."""
+        n_decoding = sum(1 for s in self.scheduler.running if s.is_decoding)
+        k = self.spec.k if self.spec and n_decoding and self.spec.should_speculate(n_decoding) else 0
+        batch = self.scheduler.schedule(num_spec_tokens=k)
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if batch.is_empty:
+            return []
+        started = time.perf_counter()
+        decode_only = all(s.is_decoding for s in batch.seqs)
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = started
+        self.runner.copy_blocks(self.block_manager.take_pending_copies())
+        proposal = self.runner.propose(batch, self._generators)
+        scored = self.runner.score(batch, proposal)
+        new_tokens = self._sample_plain(batch, scored)
+        if proposal is not None:
+            new_tokens.update(self._verify(batch, proposal, scored.spec_logits))
+        outputs = self._commit(batch, new_tokens, proposal)
+        self._record_step(batch, proposal, decode_only, time.perf_counter() - started)
+        return outputs
+
+    def _sample_plain(self, batch: ScheduledBatch, scored: TargetOutput) -> NewTokens:
+        """Sample one token for every row that caught up without speculation."""
+        if not scored.sample_rows:
+            return {}
+        seqs = [batch.seqs[i] for i in scored.sample_rows]
+        result = self.sampler(
+            scored.sample_logits,
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [self._generators.get(s.request_id) for s in seqs],
+        )
+        return {row: [(tok, lp)] for row, tok, lp in zip(scored.sample_rows, result.tokens, result.logprobs)}
+
+    def _verify(self, batch: ScheduledBatch, proposal: Proposal, spec_logits: list[torch.Tensor]) -> NewTokens:
+        """Rejection-sample the drafts; roll both caches back past the rejected positions."""
+        seqs = [batch.seqs[i] for i in proposal.rows]
+        res = self.runner.verify(proposal, spec_logits, seqs, self._generators)
+        out: NewTokens = {}
+        self._step_spec = (int(proposal.counts.sum()), int(res.num_accepted.sum()))
+        for j, (row, seq) in enumerate(zip(proposal.rows, seqs)):
+            m, k = int(res.num_accepted[j]), int(proposal.counts[j])
+            n = seq.num_tokens
+            # target K/V is valid for the last token and the m accepted drafts; the draft wrote
+            # positions up to n + k - 2. num_new_tokens (1) is added back in _commit.
+            seq.num_computed_tokens = n + m - 1
+            seq.draft_num_computed_tokens = min(n - 1 + k, n + m)
+            out[row] = [(int(t), None) for t in res.tokens[j, : m + 1]]
+            self.stats.spec_proposed += k
+            self.stats.spec_accepted += m
+            self.stats.spec_verifications += 1
+            self.stats.spec_emitted += m + 1
+        return out
+
+    def _commit(self, batch: ScheduledBatch, new_tokens: NewTokens, proposal: Proposal | None) -> list[RequestOutput]:
+        """Advance computed counts, append tokens, apply stop rules, free or trim blocks."""
+        outputs: list[RequestOutput] = []
+        spec_rows = set(proposal.rows) if proposal else set()
+        now = time.perf_counter()
+        for i, seq in enumerate(batch.seqs):
+            seq.num_computed_tokens += batch.num_new_tokens[i]
+            appended: list[int] = []
+            for token, logprob in new_tokens.get(i, []):
+                appended.append(token)
+                if self._append(seq, token, logprob, now):
+                    break
+            if seq.is_finished:
+                self._release(seq)
+            else:
+                if i in spec_rows or batch.num_spec_tokens[i]:
+                    self.block_manager.trim(seq, seq.num_tokens)
+                ready = min(seq.num_computed_tokens, seq.draft_num_computed_tokens) if self.spec else seq.num_computed_tokens
+                self.block_manager.cache_full_blocks(seq, ready)
+            if appended or seq.is_finished:
+                outputs.append(self._output(seq, appended))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: dict[int, float] | None, now: float) -> bool:
+        """Append one generated token; returns True when it finished the request."""
+        seq.token_ids.append(token)
+        self.stats.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            self._logprobs.setdefault(seq.request_id, []).append(logprob)
+        params: SamplingParams = seq.params
+        status = None
+        if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq, params):
+            status = SequenceStatus.FINISHED_STOPPED
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        seq.finish_time = now
+        self.scheduler.finish(seq, status)
+        return True
+
+    def _hit_stop_string(self, seq: Sequence, params: SamplingParams) -> bool:
+        """Check stop strings on the decoded output; cut the text at the first one found."""
+        text = self.tokenizer.decode(seq.output_token_ids)
+        hits = [(text.find(s), s) for s in params.stop if s in text]
+        if not hits:
+            return False
+        pos, s = min(hits)
+        seq.output_text = text[: pos + len(s)] if params.include_stop_str_in_output else text[:pos]
+        seq.stop_reason = s
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        """Book a finished request's latencies and drop its per-request state."""
+        self.stats.record_request(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time or time.perf_counter(), seq.num_output_tokens)
+        stopped_by_string = isinstance(seq.stop_reason, str)  # its text was already cut at the stop string
+        if not stopped_by_string and self.tokenizer is not None:
+            seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+        self._generators.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, appended: list[int]) -> RequestOutput:
+        """The public view of `seq` after this step; finished requests leave the engine's maps."""
+        finished = seq.is_finished
+        if finished:
+            self._seqs.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            new_token_ids=appended,
+            finished=finished,
+            finish_reason=seq.status.value if finished else None,
+            text=seq.output_text if finished else "",
+            logprobs=self._logprobs.pop(seq.request_id, []) if finished else list(self._logprobs.get(seq.request_id, [])),
+        )
+
+    def _record_step(self, batch: ScheduledBatch, proposal: Proposal | None, decode_only: bool, seconds: float) -> None:
+        """Step counters, KV usage and waste, and timings for the speculation switch."""
+        st, bm = self.stats, self.block_manager
+        st.num_steps += 1
+        st.prefix_query_tokens = self.scheduler.prefix_query_tokens
+        st.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+        st.kv_usage_peak = max(st.kv_usage_peak, bm.usage)
+        st.kv_usage_sum += bm.usage
+        for seq in self.scheduler.running:
+            allocated = len(seq.block_table) * bm.block_size
+            st.kv_allocated_slots += allocated
+            st.kv_used_slots += min(seq.num_tokens, allocated)
+            st.kv_reserved_request_slots += seq.max_total_tokens
+            st.kv_reserved_max_len_slots += self.max_model_len
+        if proposal is not None:
+            st.spec_steps += 1
+        elif decode_only:
+            st.plain_decode_steps += 1
+        if self.spec is not None and decode_only:
+            if proposal is not None:
+                proposed, accepted = self._step_spec
+                steady = self.runner.last_draft_catch_up <= 2  # 1 normally, 2 after all drafts were accepted
+                self.spec.record_spec(len(batch.seqs), seconds if steady else None, proposed, accepted)
+            else:
+                self.spec.record_plain(len(batch.seqs), seconds)
+
+    # ----------------------------------------------------------------- offline
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the order of `prompts`."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(items)} prompts; give one or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(items, params)]
+        wanted, done = set(ids), {}
+        while wanted - done.keys():
+            outputs = self.step()
+            if not outputs and not self.scheduler.running and self.scheduler.waiting:
+                raise RuntimeError("the scheduler cannot admit the next waiting request (engine bug: admission should have refused it)")
+            for out in outputs:
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

@@ -1,0 +1,186 @@
+"""The Llama-family forward (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Plain tensors and functions instead of nn.Modules: the engine needs a forward over a flat batch
+of tokens from many sequences (varlen), never autograd. Projections are fused at load (q|k|v
+and gate|up) so each layer runs four matmuls. Norms run in float32 and round back as
+transformers does, so bf16 logits stay close to the HF reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from serve.attention import AttentionBackend, SeqChunk, get_backend
+from serve.config import ModelConfig
+from serve.kv_cache import KVCache
+from serve.quant import DenseLinear, Int4Linear, can_fuse, gptq_to_int4_parts
+from serve.rope import RotaryEmbedding
+from serve.weights import load_state_dict
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Accept 'bfloat16'/'float32' (or the torch dtype); anything else is a named error."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r} is not supported; use 'bfloat16' (default on CPU) or 'float32'")
+
+
+class SplitLinear:
+    """Several linears on the same input whose outputs are concatenated (unfusable int4 parts)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate the parts' outputs along the feature dim."""
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer: fused projections and the two norms."""
+
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward: flat tokens of all scheduled chunks and what to read out."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    chunks: list[SeqChunk]
+    logits_indices: torch.Tensor  # rows whose logits are needed
+
+
+def _fused_linear(state: dict[str, torch.Tensor], names: list[str], config: ModelConfig, dtype: torch.dtype) -> Linear:
+    """One linear for projections sharing an input: concatenated dense weights or int4 parts."""
+    biases = [state.get(f"{n}.bias") for n in names]
+    bias = torch.cat([b.to(dtype) for b in biases]) if all(b is not None for b in biases) else None
+    if f"{names[0]}.qweight" not in state:
+        missing = [n for n in names if f"{n}.weight" not in state]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing[0]}.weight (nor a GPTQ qweight); is it a Llama-family model?")
+        return DenseLinear(torch.cat([state[f"{n}.weight"].to(dtype) for n in names]), bias)
+    if config.quant is None:
+        raise ValueError(f"{names[0]}.qweight found but config.json has no quantization_config; the checkpoint is inconsistent")
+    q = config.quant
+    parts = [
+        gptq_to_int4_parts(n, state[f"{n}.qweight"], state[f"{n}.qzeros"], state[f"{n}.scales"], state.get(f"{n}.g_idx"), q.group_size, q.checkpoint_format)
+        for n in names
+    ]
+    if can_fuse(parts):
+        return Int4Linear(parts, bias)
+    return SplitLinear([Int4Linear([p], b.to(dtype) if b is not None else None) for p, b in zip(parts, biases)])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, rounded back to x's dtype before the weight (transformers' order).
+
+    torch's fused `rms_norm` does the float32 part in one op instead of five.
+    """
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos/sin [T, D] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaModel:
+    """Weights plus the forward; holds no per-request state (the KV cache is passed in)."""
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, backend: AttentionBackend | None = None) -> None:
+        self.config, self.dtype = config, dtype
+        self.backend = backend or get_backend("cpu")
+        self.embed = state["model.embed_tokens.weight"].to(dtype)
+        self.norm = state["model.norm.weight"].to(dtype)
+        head = state.get("lm_head.weight")
+        if head is None and not config.tie_word_embeddings:
+            raise KeyError("checkpoint lacks lm_head.weight and config.json does not tie word embeddings")
+        self.lm_head = self.embed if head is None else head.to(dtype)
+        self.layers = [self._layer(state, i) for i in range(config.num_layers)]
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
+        self.scale = config.head_dim**-0.5
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "bfloat16") -> "LlamaModel":
+        """Read config.json and the safetensors checkpoint of `model_dir`."""
+        config = ModelConfig.from_dir(model_dir)
+        return cls(config, load_state_dict(model_dir), resolve_dtype(dtype))
+
+    def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        """Fuse layer `i`'s projections."""
+        p = f"model.layers.{i}."
+        attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+        return LayerWeights(
+            qkv=_fused_linear(state, attn, self.config, self.dtype),
+            o=_fused_linear(state, [f"{p}self_attn.o_proj"], self.config, self.dtype),
+            gate_up=_fused_linear(state, [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], self.config, self.dtype),
+            down=_fused_linear(state, [f"{p}mlp.down_proj"], self.config, self.dtype),
+            input_norm=state[f"{p}input_layernorm.weight"].to(self.dtype),
+            post_attention_norm=state[f"{p}post_attention_layernorm.weight"].to(self.dtype),
+        )
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """A KV cache shaped for this model."""
+        c = self.config
+        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Write the batch's K/V into `kv` and return float32 logits [len(logits_indices), V].
+
+        float32 also because argmax over bf16 takes a slow path on CPU (3x the upcast + argmax).
+        """
+        c = self.config
+        meta = self.backend.build_metadata(batch.chunks, kv.block_size)
+        slots = self.backend.slot_mapping(meta)
+        rope_lens = [(ch.query_start, ch.query_len, ch.context_len) for ch in batch.chunks]
+        cos, sin = self.rope.lookup(batch.positions, rope_lens)
+        x = F.embedding(batch.input_ids, self.embed)
+        n_q, n_kv, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            qk, v = layer.qkv(h).split([n_q + n_kv, n_kv], dim=-1)
+            qk = apply_rope(qk.reshape(-1, c.num_heads + c.num_kv_heads, d), cos, sin)  # q and k in one pass
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            v = v.reshape(-1, c.num_kv_heads, d)
+            kv.write(i, slots, k, v)
+            o = self.backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
+            x = x + layer.o(o.reshape(-1, n_q))
+            h = rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        x = rms_norm(x.index_select(0, batch.logits_indices), self.norm, c.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def prefill_logits(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+        """float32 logits [len(token_ids), V] of one sequence in a throwaway cache (tests, scoring)."""
+        n = len(token_ids)
+        blocks = -(-n // block_size)
+        kv = self.new_kv_cache(blocks, block_size)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=torch.arange(n),
+            chunks=[SeqChunk(0, n, n, list(range(blocks)))],
+            logits_indices=torch.arange(n),
+        )
+        return self.forward(batch, kv).float()

@@ -1,0 +1,168 @@
+"""GPTQ 4-bit checkpoints: the format reference and the CPU int4 runtime.
+
+Checkpoint format (GPTQ v1, as AutoGPTQ / gptqmodel / transformers / vLLM read it), per linear
+with K input and N output features:
+- `qweight` int32 [K/8, N]: eight 4-bit values packed along the *input* dim, lowest nibble first;
+- `qzeros`  int32 [G, N/8]: packed along the *output* dim, storing zero - 1 (v1; v2 stores zero);
+- `scales`  fp16  [G, N];  `g_idx` int32 [K]: the group of each input feature;
+- w[i, o] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o]).
+
+Runtime: torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) computes
+w = (q - 8) * scale + zero' with groups of contiguous input features. Rewriting GPTQ's form,
+scale * (q - zero) = (q - 8) * scale + scale * (8 - zero), so zero' = scale * (8 - zero).
+Act-order checkpoints (g_idx not sorted) are served by permuting input features so each group
+becomes contiguous; the activations are permuted the same way at run time. The kernel wants
+bf16 activations (fp32 is ~40x slower), so it always runs in bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+
+
+def unpack_qweight(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K/8, N] -> int32 [K, N] values 0..15 (input feature 8r+j is nibble j of row r)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF
+    return q.reshape(qweight.shape[0] * 8, qweight.shape[1])
+
+
+def unpack_qzeros(qzeros: torch.Tensor, checkpoint_format: str = "gptq") -> torch.Tensor:
+    """int32 [G, N/8] -> int32 [G, N] zero points, undoing v1's stored (zero - 1)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    z = (qzeros[:, :, None] >> shifts[None, None, :]) & 0xF
+    z = z.reshape(qzeros.shape[0], qzeros.shape[1] * 8)
+    return z + 1 if checkpoint_format == "gptq" else z
+
+
+def default_g_idx(in_features: int, group_size: int) -> torch.Tensor:
+    """g_idx of a checkpoint without act-order (group_size -1 means one group)."""
+    size = in_features if group_size <= 0 else group_size
+    return torch.arange(in_features, dtype=torch.int32) // size
+
+
+def gptq_dequantize(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    checkpoint_format: str = "gptq",
+) -> torch.Tensor:
+    """Reference dequantization to a float32 weight [N, K] (nn.Linear layout)."""
+    q = unpack_qweight(qweight).float()
+    zeros = unpack_qzeros(qzeros, checkpoint_format).float()
+    g = g_idx.long()
+    return (scales.float()[g] * (q - zeros[g])).T.contiguous()
+
+
+@dataclass
+class Int4Parts:
+    """A GPTQ linear in the kernel's terms, before packing; parts can be fused along N."""
+
+    q: torch.Tensor  # int32 [K, N], input features in kernel order
+    scales: torch.Tensor  # float32 [K/kg, N]
+    zeros: torch.Tensor  # float32 [K/kg, N], the kernel's zero' = scale * (8 - zero)
+    perm: torch.Tensor | None  # input permutation (act-order) or None
+    kernel_group: int
+
+
+def _kernel_group(group_size: int, in_features: int) -> int:
+    """Largest kernel group size dividing the GPTQ group; finer groups just repeat scales."""
+    for kg in KERNEL_GROUP_SIZES:
+        if group_size % kg == 0 and in_features % kg == 0:
+            return kg
+    raise ValueError(
+        f"GPTQ group size {group_size} with in_features {in_features} is not served: the CPU int4 "
+        f"kernel needs a group size that is a multiple of one of {KERNEL_GROUP_SIZES}"
+    )
+
+
+def gptq_to_int4_parts(
+    name: str,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    checkpoint_format: str = "gptq",
+) -> Int4Parts:
+    """Translate one GPTQ linear (named `name` for errors) into kernel order and zero form."""
+    q = unpack_qweight(qweight)
+    in_features = q.shape[0]
+    size = in_features if group_size <= 0 else group_size
+    g = (default_g_idx(in_features, size) if g_idx is None else g_idx).long()
+    perm = torch.argsort(g, stable=True)
+    g_sorted = g[perm]
+    if not torch.equal(g_sorted, torch.arange(in_features) // size):
+        raise ValueError(f"{name}.g_idx does not assign exactly {size} input features to each group; the checkpoint is malformed")
+    zeros = unpack_qzeros(qzeros, checkpoint_format).float()
+    sc = scales.float()
+    kg = _kernel_group(size, in_features)
+    repeat = size // kg
+    identity = torch.equal(perm, torch.arange(in_features))
+    return Int4Parts(
+        q=q if identity else q[perm],
+        scales=sc.repeat_interleave(repeat, 0),
+        zeros=(sc * (8 - zeros)).repeat_interleave(repeat, 0),
+        perm=None if identity else perm,
+        kernel_group=kg,
+    )
+
+
+def can_fuse(parts: list[Int4Parts]) -> bool:
+    """Parts share one input permutation and kernel group, so one matmul can serve them all."""
+    first = parts[0]
+    for p in parts[1:]:
+        if p.kernel_group != first.kernel_group:
+            return False
+        if (p.perm is None) != (first.perm is None):
+            return False
+        if p.perm is not None and not torch.equal(p.perm, first.perm):
+            return False
+    return True
+
+
+class Int4Linear:
+    """y = x W^T (+ b) with W held as packed int4 for torch's CPU kernel."""
+
+    def __init__(self, parts: list[Int4Parts], bias: torch.Tensor | None = None) -> None:
+        if not can_fuse(parts):
+            raise ValueError("Int4Linear: parts with different act-order permutations cannot be fused")
+        q = torch.cat([p.q for p in parts], dim=1)
+        self.in_features, self.out_features = q.shape
+        self.kernel_group = parts[0].kernel_group
+        self.perm = parts[0].perm
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.T.contiguous().to(torch.int32), 1)
+        scales = torch.cat([p.scales for p in parts], dim=1)
+        zeros = torch.cat([p.zeros for p in parts], dim=1)
+        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply to x [..., K] of any float dtype; computes in bf16, returns x's dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.kernel_group, self.scales_and_zeros)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class DenseLinear:
+    """y = x W^T (+ b) for a plain weight, callable like Int4Linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear in the weight's dtype."""
+        return torch.nn.functional.linear(x, self.weight, self.bias)

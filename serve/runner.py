@@ -1,0 +1,187 @@
+"""Turns a scheduled batch into forwards: draft proposals, the target forward, verification.
+
+Separated from `engine.py` so that the engine keeps request bookkeeping and this module keeps
+tensor work. Everything a call needs is passed in; the runner owns only the models, their KV
+caches and the default random generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serve.attention import SeqChunk
+from serve.kv_cache import KVCache
+from serve.model import ForwardBatch, LlamaModel
+from serve.sampler import SamplingParams, draw, exponential_noise, param_tensors, process_logits
+from serve.scheduler import ScheduledBatch
+from serve.sequence import Sequence
+from serve.spec_decode import RejectionResult, rejection_sample
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for the speculating rows of a batch (row i of the batch -> index here)."""
+
+    rows: list[int]
+    tokens: torch.Tensor  # [S, kmax] (padding 0)
+    probs: torch.Tensor  # [S, kmax, V] (padding 0)
+    counts: torch.Tensor  # [S] real drafts per row
+
+
+@dataclass
+class TargetOutput:
+    """Logits of the target forward: `last[i]` row for sampled rows, `spec[j]` rows per speculator."""
+
+    sample_rows: list[int]  # batch rows that caught up without speculation
+    sample_logits: torch.Tensor  # [len(sample_rows), V]
+    spec_logits: list[torch.Tensor]  # per proposal row: [k_i + 1, V]
+
+
+def build_forward(seqs: list[Sequence], starts: list[int], token_lists: list[list[int]], logits_rows: list[list[int]]) -> ForwardBatch:
+    """Flat batch from per-sequence chunks; `logits_rows[i]` are offsets within chunk i."""
+    ids: list[int] = []
+    positions: list[int] = []
+    chunks: list[SeqChunk] = []
+    wanted: list[int] = []
+    for seq, start, toks, rows in zip(seqs, starts, token_lists, logits_rows):
+        base = len(ids)
+        ids.extend(toks)
+        positions.extend(range(start, start + len(toks)))
+        chunks.append(SeqChunk(base, len(toks), start + len(toks), seq.block_table))
+        wanted.extend(base + r for r in rows)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        chunks=chunks,
+        logits_indices=torch.tensor(wanted, dtype=torch.long),
+    )
+
+
+class ModelRunner:
+    """Target (and optional draft) model with their paged caches."""
+
+    def __init__(self, target: LlamaModel, target_kv: KVCache, draft: LlamaModel | None, draft_kv: KVCache | None, seed: int) -> None:
+        self.target, self.target_kv = target, target_kv
+        self.draft, self.draft_kv = draft, draft_kv
+        self.generator = torch.Generator().manual_seed(seed + 1)
+        self.num_draft_forwards = 0
+        self.num_target_forwards = 0
+        self.last_draft_catch_up = 0  # most tokens a speculating row fed the draft this step
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Perform queued copy-on-write copies in every cache."""
+        self.target_kv.copy_blocks(pairs)
+        if self.draft_kv is not None:
+            self.draft_kv.copy_blocks(pairs)
+
+    # ----------------------------------------------------------------- draft
+    def propose(self, batch: ScheduledBatch, generators: dict[str, torch.Generator]) -> Proposal | None:
+        """Run the draft over prefill chunks (to keep its cache in step) and propose for speculators."""
+        if self.draft is None or self.draft_kv is None:
+            return None
+        spec_rows = [i for i, k in enumerate(batch.num_spec_tokens) if k > 0]
+        self.last_draft_catch_up = max((batch.seqs[i].num_tokens - batch.seqs[i].draft_num_computed_tokens for i in spec_rows), default=0)
+        seqs, starts, toks, logit_rows = [], [], [], []
+        for i, seq in enumerate(batch.seqs):
+            if i not in spec_rows and seq.is_decoding:
+                continue  # plain decode steps leave the draft behind; it catches up when it next proposes
+            start = seq.draft_num_computed_tokens
+            end = seq.num_tokens if i in spec_rows else seq.num_computed_tokens + batch.num_new_tokens[i]
+            if end <= start:
+                continue
+            seqs.append(seq)
+            starts.append(start)
+            toks.append(seq.token_ids[start:end])
+            logit_rows.append([end - start - 1] if i in spec_rows else [])
+            seq.draft_num_computed_tokens = end
+        if not seqs:
+            return None
+        logits = self.draft.forward(build_forward(seqs, starts, toks, logit_rows), self.draft_kv)
+        self.num_draft_forwards += 1
+        if not spec_rows:
+            return None
+        return self._propose_rest(batch, spec_rows, logits, generators)
+
+    def _draft_sample(self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft token and its processed distribution q for each row."""
+        probs = process_logits(logits, *param_tensors(params))
+        return draw(probs, exponential_noise(tuple(probs.shape), gens, self.generator)), probs
+
+    def _propose_rest(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor, generators: dict[str, torch.Generator]) -> Proposal:
+        """Sample d_1 from the first draft forward, then one forward per further draft token."""
+        seqs = [batch.seqs[i] for i in rows]
+        counts = torch.tensor([batch.num_spec_tokens[i] for i in rows])
+        kmax = int(counts.max())
+        params = [s.params for s in seqs]
+        gens = [generators.get(s.request_id) for s in seqs]
+        tokens = torch.zeros(len(rows), kmax, dtype=torch.long)
+        probs = torch.zeros(len(rows), kmax, logits.shape[-1])
+        tokens[:, 0], probs[:, 0] = self._draft_sample(logits, params, gens)
+        for j in range(1, kmax):
+            live = [r for r in range(len(rows)) if counts[r] > j]
+            fb = build_forward(
+                [seqs[r] for r in live],
+                [seqs[r].num_tokens + j - 1 for r in live],
+                [[int(tokens[r, j - 1])] for r in live],
+                [[0] for _ in live],
+            )
+            step_logits = self.draft.forward(fb, self.draft_kv)
+            self.num_draft_forwards += 1
+            t, p = self._draft_sample(step_logits, [params[r] for r in live], [gens[r] for r in live])
+            tokens[live, j], probs[live, j] = t, p
+        return Proposal(rows=rows, tokens=tokens, probs=probs, counts=counts)
+
+    # ----------------------------------------------------------------- target
+    def score(self, batch: ScheduledBatch, proposal: Proposal | None) -> TargetOutput:
+        """One target forward over every scheduled chunk plus the draft tokens to verify."""
+        spec_of = {row: j for j, row in enumerate(proposal.rows)} if proposal else {}
+        starts, toks, logit_rows, sample_rows = [], [], [], []
+        for i, seq in enumerate(batch.seqs):
+            start, n = seq.num_computed_tokens, batch.num_new_tokens[i]
+            chunk = seq.token_ids[start : start + n]
+            if i in spec_of:
+                j = spec_of[i]
+                chunk = chunk + proposal.tokens[j, : int(proposal.counts[j])].tolist()
+                logit_rows.append(list(range(len(chunk))))
+            elif start + n == seq.num_tokens:
+                logit_rows.append([n - 1])
+                sample_rows.append(i)
+            else:
+                logit_rows.append([])
+            starts.append(start)
+            toks.append(chunk)
+        logits = self.target.forward(build_forward(batch.seqs, starts, toks, logit_rows), self.target_kv)
+        self.num_target_forwards += 1
+        return self._split_logits(batch, logits, logit_rows, sample_rows, spec_of)
+
+    @staticmethod
+    def _split_logits(
+        batch: ScheduledBatch, logits: torch.Tensor, logit_rows: list[list[int]], sample_rows: list[int], spec_of: dict[int, int]
+    ) -> TargetOutput:
+        """Separate rows to sample plainly from per-speculator verification blocks."""
+        sample_idx: list[int] = []
+        spec_blocks: list[torch.Tensor] = [logits[:0]] * len(spec_of)
+        offset = 0
+        for i in range(len(batch.seqs)):
+            n = len(logit_rows[i])
+            if i in spec_of:
+                spec_blocks[spec_of[i]] = logits[offset : offset + n]
+            elif n:
+                sample_idx.append(offset)
+            offset += n
+        if sample_idx == list(range(logits.shape[0])):
+            return TargetOutput(sample_rows, logits, spec_blocks)  # common decode step: no copy
+        return TargetOutput(sample_rows, logits[sample_idx], spec_blocks)
+
+    def verify(self, proposal: Proposal, spec_logits: list[torch.Tensor], seqs: list[Sequence], generators: dict[str, torch.Generator]) -> RejectionResult:
+        """Rejection-sample every speculator's drafts against the target's distributions."""
+        kmax = proposal.tokens.shape[1]
+        vocab = spec_logits[0].shape[-1]
+        target = torch.zeros(len(seqs), kmax + 1, vocab)
+        for j, (block, seq) in enumerate(zip(spec_logits, seqs)):
+            t, k, p = param_tensors([seq.params] * block.shape[0])
+            target[j, : block.shape[0]] = process_logits(block, t, k, p)
+        gens = [generators.get(s.request_id) for s in seqs]
+        return rejection_sample(proposal.tokens, proposal.probs, target, proposal.counts, gens, self.generator)

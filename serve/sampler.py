@@ -1,0 +1,189 @@
+"""Sampling: parameters, logits processing, per-request seeded draws, logprobs.
+
+All rows of a step are processed together: temperature, top-k and top-p are applied as batched
+tensor ops (one sort when any row needs it); only penalties, which need each request's history,
+touch rows one by one, and only for the requests that asked for them. Draws use the exponential
+race (argmax p / E with E ~ Exp(1)), which samples exactly from p and lets each seeded request
+draw its noise from its own generator, so a seed reproduces regardless of batch composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Invalid values raise ValueError naming the parameter."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop and any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 means argmax."""
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when logits depend on the request's history."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+@dataclass
+class SampleResult:
+    """Sampled tokens and, where asked, their logprobs (raw model distribution)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+    """Repetition (HF/CTRL rule over prompt + output) and OpenAI frequency/presence penalties."""
+    for row, p in enumerate(params):
+        if not p.has_penalties:
+            continue
+        x = logits[row]
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted(set(prompts[row]) | set(outputs[row])), dtype=torch.long)
+            vals = x[seen]
+            x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if outputs[row] and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(outputs[row]), minlength=x.shape[0])[: x.shape[0]].to(x.dtype)
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return logits
+
+
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, batched; returns probabilities [B, V].
+
+    Rows with temperature 0 become one-hot on the argmax, so greedy and sampled requests share
+    one code path (the rejection sampler then reduces to exact greedy matching).
+    """
+    logits = logits.float()
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    if bool((k < vocab).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= k[:, None]
+        probs = sorted_logits.softmax(-1)
+        drop |= (probs.cumsum(-1) - probs) > top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    probs = scaled.softmax(-1)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def exponential_noise(shape: tuple[int, ...], generators: list[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
+    """Exp(1) noise [B, ...]; rows with their own generator (seeded requests) draw from it."""
+    noise = torch.empty(shape).exponential_(generator=default)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row] = torch.empty(shape[1:]).exponential_(generator=gen)
+    return noise
+
+
+def uniform_noise(shape: tuple[int, ...], generators: list[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
+    """U[0, 1) noise [B, ...] with per-row generators like `exponential_noise`."""
+    noise = torch.rand(shape, generator=default)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row] = torch.rand(shape[1:], generator=gen)
+    return noise
+
+
+def draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax p / E samples from p exactly; zero-probability tokens never win."""
+    return (probs / noise).argmax(-1)
+
+
+def param_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperature, top_k and top_p tensors."""
+    return (
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.long),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+    )
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[dict[int, float] | None]:
+    """For rows that asked: the sampled token's logprob and the top-n, from the raw logits."""
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    result: list[dict[int, float] | None] = [None] * len(params)
+    if not wanted:
+        return result
+    logp = logits[wanted].float().log_softmax(-1)
+    for j, row in enumerate(wanted):
+        n = params[row].logprobs or 0
+        entry = {tokens[row]: float(logp[j, tokens[row]])}
+        if n:
+            vals, ids = logp[j].topk(min(n, logp.shape[-1]))
+            entry.update({int(i): float(v) for i, v in zip(ids, vals)})
+        result[row] = entry
+    return result
+
+
+class Sampler:
+    """Samples one token per row; owns the default generator (seeded once per engine)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SampleResult:
+        """Penalise, process and draw for every row of `logits` [B, V]."""
+        raw = logits
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits.to(torch.float32, copy=True), params, prompts, outputs)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(-1).tolist()
+        else:
+            probs = process_logits(logits, *param_tensors(params))
+            tokens = draw(probs, exponential_noise(tuple(probs.shape), generators, self.generator)).tolist()
+        return SampleResult(tokens=tokens, logprobs=top_logprobs(raw, tokens, params))

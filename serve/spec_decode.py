@@ -1,0 +1,172 @@
+"""Speculative decoding: the exact rejection sampler and the switch that turns speculation off.
+
+Rejection sampling (Leviathan et al.; Chen et al.): the draft proposed d_1..d_k from q; the
+target scored all k+1 positions in one forward giving p_1..p_{k+1}. Token d_j is accepted with
+probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the emitted token is drawn from
+norm(max(0, p_j - q_j)); if all k are accepted a bonus token is drawn from p_{k+1}. Every
+emitted token is then distributed exactly as the target alone would sample it. Positions past a
+request's own k_i are treated as forced rejections with q = 0, which makes the recovery draw
+the plain bonus draw from p, so requests with different k share one batched call.
+
+The switch: with per-token acceptance alpha, a step emits (1 - alpha^(k+1)) / (1 - alpha) tokens
+per sequence on average and costs (1 + k c) target-step units, c being the measured cost of a
+draft forward relative to a target forward. At large batches the target step becomes
+compute-bound, c grows and speculation loses (vLLM measured 1.4-1.8x slowdowns at high load),
+so the controller measures both step kinds per batch-size bucket and speculates only where it
+wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from serve.sampler import draw, exponential_noise, uniform_noise
+
+
+@dataclass
+class RejectionResult:
+    """Emitted tokens per row ([B, k+1], -1 past the end) and accepted draft counts."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    num_draft: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default: torch.Generator,
+) -> RejectionResult:
+    """Verify draft tokens [B, k] (q [B, k, V]) against the target (p [B, k+1, V]).
+
+    `num_draft[i]` <= k is how many of row i's drafts are real; the rest are padding.
+    """
+    batch, k = draft_tokens.shape
+    rows = torch.arange(batch)
+    p_d = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_d = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    u = uniform_noise((batch, k), generators, default)
+    real = torch.arange(k)[None, :] < num_draft[:, None]
+    accept = (u * q_d < p_d) & real
+    num_accepted = accept.long().cumprod(-1).sum(-1)
+    q_padded = torch.cat([draft_probs * real[..., None], torch.zeros(batch, 1, draft_probs.shape[-1])], dim=1)
+    p_sel = target_probs[rows, num_accepted]
+    residual = (p_sel - q_padded[rows, num_accepted]).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_sel)
+    final = draw(residual, exponential_noise(tuple(residual.shape), generators, default))
+    out = torch.full((batch, k + 1), -1, dtype=torch.long)
+    keep = torch.arange(k + 1)[None, :] < num_accepted[:, None]
+    out[:, :k] = torch.where(keep[:, :k], draft_tokens, out[:, :k])
+    out[rows, num_accepted] = final
+    return RejectionResult(tokens=out, num_accepted=num_accepted)
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Mean tokens a sequence emits per verification with per-token acceptance `alpha`."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def _bucket(batch_size: int) -> int:
+    """Batch sizes grouped by powers of two: step cost changes slowly within a bucket."""
+    return max(1, batch_size).bit_length()
+
+
+@dataclass
+class _Timing:
+    """Smoothed step times and sample counts for one batch-size bucket."""
+
+    plain: float | None = None
+    spec: float | None = None
+    plain_samples: int = 0
+    spec_samples: int = 0
+    steps: int = 0
+
+
+@dataclass
+class SpecController:
+    """Decides per step whether to speculate, from measured acceptance and step costs.
+
+    Until `min_samples` speculative and plain decode steps have been timed in a batch-size
+    bucket it explores (speculating first, the optimistic choice); afterwards it speculates only
+    where predicted speedup >= 1, and every `probe_every` steps tries the other mode once so the
+    decision follows changes in load and acceptance. Acceptance is a decayed ratio of sums, which
+    is steadier than averaging per-step ratios of a few tokens.
+    """
+
+    k: int
+    adaptive: bool = True
+    probe_every: int = 32
+    min_samples: int = 2
+    ema: float = 0.25
+    decay: float = 0.95
+    timings: dict[int, _Timing] = field(default_factory=dict)
+    _proposed: float = 0.0
+    _accepted: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 when a draft is given, got {self.k}")
+
+    @property
+    def alpha(self) -> float | None:
+        """Smoothed per-token acceptance rate, None before any proposal."""
+        return self._accepted / self._proposed if self._proposed else None
+
+    def should_speculate(self, batch_size: int) -> bool:
+        """Speculate unless measurements for this batch size say plain decoding is faster."""
+        if not self.adaptive:
+            return True
+        t = self.timings.setdefault(_bucket(batch_size), _Timing())
+        t.steps += 1
+        if t.spec_samples < self.min_samples:
+            return True
+        if t.plain_samples < self.min_samples:
+            return False
+        wins = self.predicted_speedup(batch_size) >= 1.0
+        if t.steps % self.probe_every == 0:
+            return not wins
+        return wins
+
+    def predicted_speedup(self, batch_size: int) -> float:
+        """Expected speedup of speculation over plain decoding at `batch_size` (1.0 if unknown)."""
+        t = self.timings.get(_bucket(batch_size))
+        if t is None or t.plain is None or t.spec is None or self.alpha is None:
+            return 1.0
+        return expected_tokens_per_step(self.alpha, self.k) * t.plain / t.spec
+
+    def cost_ratio(self, batch_size: int) -> float | None:
+        """c in 1 + k c: a speculative step's extra cost per draft token, in target-step units."""
+        t = self.timings.get(_bucket(batch_size))
+        if t is None or t.plain is None or t.spec is None:
+            return None
+        return (t.spec / t.plain - 1) / self.k
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def record_plain(self, batch_size: int, seconds: float) -> None:
+        """A decode-only step without speculation took `seconds`."""
+        t = self.timings.setdefault(_bucket(batch_size), _Timing())
+        t.plain = self._smooth(t.plain, seconds)
+        t.plain_samples += 1
+
+    def record_spec(self, batch_size: int, seconds: float | None, proposed: int, accepted: int) -> None:
+        """A decode-only speculative step took `seconds` and accepted `accepted` of `proposed`.
+
+        `seconds` is None for a step whose draft first had to catch up on tokens decoded while
+        speculation was off: timing it would charge the catch-up to speculation and bias the
+        switch towards staying off.
+        """
+        t = self.timings.setdefault(_bucket(batch_size), _Timing())
+        if seconds is not None:
+            t.spec = self._smooth(t.spec, seconds)
+            t.spec_samples += 1
+        self._proposed = self.decay * self._proposed + proposed
+        self._accepted = self.decay * self._accepted + accepted

@@ -1,0 +1,119 @@
+"""Sampler and rejection sampler: parameter validation and exact (lossless) distributions."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from serve.sampler import Sampler, SamplingParams, param_tensors, process_logits
+from serve.spec_decode import SpecController, expected_tokens_per_step, rejection_sample
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
+def test_invalid_params_named(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def _chi2_ok(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token outside the support was emitted"
+    expected = probs[support].double() * counts.sum()
+    return chisquare(counts[support].numpy(), expected.numpy() / expected.sum().item() * counts[support].sum().item()).pvalue
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_sampler_is_lossless(temperature: float, k: int) -> None:
+    gen = torch.Generator().manual_seed(int(temperature * 10) + k)
+    n, vocab = 60_000, 24
+    target_logits = torch.randn(k + 1, vocab, generator=gen) * 1.5
+    draft_logits = target_logits[:k] + torch.randn(k, vocab, generator=gen)
+    temps = torch.full((k + 1,), temperature)
+    top_k, top_p = torch.full((k + 1,), -1), torch.full((k + 1,), 0.9)
+    p = process_logits(target_logits, temps, top_k, top_p)
+    q = process_logits(draft_logits, temps[:k], top_k[:k], top_p[:k])
+    drafts = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=gen) for j in range(k)], dim=1)
+    result = rejection_sample(
+        drafts, q.expand(n, k, vocab), p.expand(n, k + 1, vocab), torch.full((n,), k), [None] * n, gen
+    )
+    assert _chi2_ok(result.tokens[:, 0], p[0]) > 1e-3
+    reached = result.num_accepted >= 1
+    assert _chi2_ok(result.tokens[reached, 1], p[1]) > 1e-3
+    assert 0 < float(result.num_accepted.float().mean()) < k
+
+
+def test_rejection_sampler_greedy_and_padding() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 10
+    p_logits = torch.randn(2, 4, vocab)
+    greedy = torch.zeros(2 * 4)
+    p = process_logits(p_logits.reshape(-1, vocab), greedy, torch.full((8,), -1), torch.ones(8)).reshape(2, 4, vocab)
+    target_argmax = p_logits.argmax(-1)
+    drafts = target_argmax[:, :3].clone()
+    drafts[0, 1] = (drafts[0, 1] + 1) % vocab  # row 0 diverges at position 1
+    q = torch.zeros(2, 3, vocab).scatter_(-1, drafts[..., None], 1.0)
+    res = rejection_sample(drafts, q, p, torch.tensor([3, 2]), [None, None], gen)
+    assert res.num_accepted.tolist() == [1, 2]
+    assert res.tokens[0, :2].tolist() == target_argmax[0, :2].tolist() and res.tokens[0, 2] == -1
+    assert res.tokens[1, :3].tolist() == target_argmax[1, :3].tolist()  # bonus after its 2 real drafts
+
+
+def test_top_k_top_p_masks_and_seeded_sampler() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    probs = process_logits(logits, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
+    assert probs[0, 2:].sum() == 0
+    probs = process_logits(logits, torch.tensor([1.0]), torch.tensor([-1]), torch.tensor([0.5]))
+    assert probs[0, 1:].sum() == 0  # the top token already holds more than half the mass
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, seed=7)]
+    logits = torch.randn(2, 50).repeat(1, 1)
+    logits[1] = logits[0]
+    a = Sampler(0)(logits, params, [[1], [1]], [[], []], [torch.Generator().manual_seed(7)] * 2).tokens
+    b = Sampler(1)(logits, params, [[1], [1]], [[], []], [torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)]).tokens
+    assert a[0] == b[0]
+
+
+def test_penalties_and_logprobs() -> None:
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    params = [SamplingParams(temperature=0, repetition_penalty=4.0, logprobs=2)]
+    out = Sampler(0)(logits, params, [[0]], [[]], [None])
+    assert out.tokens == [1]  # token 0 penalised 2.0 -> 0.5
+    assert set(out.logprobs[0]) == {0, 1}  # raw top-2 includes the sampled token
+    params = [SamplingParams(temperature=0, frequency_penalty=2.0)]
+    assert Sampler(0)(logits.clone(), params, [[3]], [[0]], [None]).tokens == [1]
+
+
+def test_controller_switches_off_when_speculation_loses() -> None:
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+    ctl = SpecController(k=4, min_samples=2, probe_every=1000)
+    assert ctl.should_speculate(32)  # explore: speculation first
+    ctl.record_spec(32, seconds=3.0, proposed=128, accepted=32)
+    assert ctl.should_speculate(32)
+    ctl.record_spec(32, seconds=3.0, proposed=128, accepted=32)
+    assert not ctl.should_speculate(32)  # then the plain side
+    ctl.record_plain(32, seconds=1.0)
+    ctl.record_plain(32, seconds=1.0)
+    assert ctl.predicted_speedup(32) < 1 and not ctl.should_speculate(32)
+    assert ctl.cost_ratio(32) == pytest.approx(0.5)
+    good = SpecController(k=4, min_samples=2, probe_every=1000)
+    for _ in range(2):
+        good.record_spec(1, seconds=1.5, proposed=4, accepted=3)
+        good.record_plain(1, seconds=1.0)
+    assert good.alpha == pytest.approx(0.75) and good.should_speculate(1)  # 3.05 tokens for 1.5x cost
+    good.record_spec(1, seconds=None, proposed=4, accepted=0)  # a catch-up step: acceptance only
+    assert good.timings[1].spec_samples == 2 and good.timings[1].spec == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpecController(k=0)

@@ -1,0 +1,86 @@
+"""tokenizer_ext.adapt: QLoRA end to end, embeddings mode, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.tokenizer_ext.conftest import make_ctx
+from warsha.training import TrainParams
+from tokenizer_ext import adapt
+from tokenizer_ext.stages import AdaptParams
+
+TINY = dict(steps=2, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1, checkpoint_every=1, log_every=1)
+
+
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return {k: v.detach().float() for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+
+
+def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
+    from transformers import AutoTokenizer
+
+    ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
+    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1}), compare_base=False, eval_docs=1, eval_max_length=32,
+                    gen_tokens=0, train_docs=20)
+    m = adapt.run(ctx, p)
+    assert (ctx.out_dir / "adapter" / "adapter_config.json").is_file()
+    tok = AutoTokenizer.from_pretrained(ctx.out_dir)
+    n_new = len(tok) - 32000
+    before, after = _state(sp_embedded_dir), _state(ctx.out_dir)
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        torch.testing.assert_close(after[key][:32000], before[key][:32000])  # base rows frozen
+        changed = (after[key][32000 : 32000 + n_new] != before[key][32000 : 32000 + n_new]).any(1)
+        assert changed.sum() > 0.5 * n_new
+        torch.testing.assert_close(after[key][32000 + n_new :], before[key][32000 + n_new :])
+    # LoRA (B starts at zero, so one step moves it) is merged into the linear layers
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(after[q], before[q])
+    assert m["extended"]["trainable_new_rows"] == n_new and "base_same_budget" not in m
+
+
+@pytest.mark.slow
+def test_qlora_same_budget_comparison(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
+    ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
+    p = AdaptParams(train=TrainParams(**TINY), eval_docs=2, eval_max_length=32, gen_tokens=4, train_docs=40)
+    m = adapt.run(ctx, p)
+    ext, ctl = m["extended"], m["base_same_budget"]
+    assert ext["trainable_new_rows"] > 0 and ctl["trainable_new_rows"] == 0
+    assert ext["steps_run"] == ctl["steps_run"] == 2
+    assert set(ext["bits_per_char"]) == {"ar", "en"} and ext["generation"]["chars_per_s"] > 0
+    assert set(m["targets"]) == {"ar_bpc_extended_le_base_adapted", "en_bpc_change_vs_base_model", "en_bpc_within_5pct"}
+    logged = {k for row, _ in ctx.tracker.rows for k in row}
+    assert {"adapt_extended/loss", "adapt_base/loss", "adapt_extended/tokens_per_s"} <= logged
+
+
+def test_embeddings_mode_and_resume(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
+    """Only embedding and LM head change; a rerun resumes from the saved checkpoint."""
+    ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
+    p = AdaptParams(mode="embeddings", train=TrainParams(**{**TINY, "steps": 3}), compare_base=False,
+                    eval_docs=2, eval_max_length=32, gen_tokens=0, train_docs=40)
+    first = adapt.run(ctx, p)["extended"]
+    assert first["resumed_from_step"] == 0 and len(first["loss_curve"]) == 3
+    before, after = _state(sp_embedded_dir), _state(ctx.out_dir)
+    for key in before:
+        same = torch.equal(before[key], after[key])
+        assert same == (key not in ("model.embed_tokens.weight", "lm_head.weight")), key
+    again = adapt.run(ctx, p)["extended"]
+    assert again["resumed_from_step"] == 2 and len(again["loss_curve"]) == 1
+
+
+@pytest.mark.slow
+def test_qlora_full_embeddings_option(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
+    """modules_to_save trains whole matrices: base rows move too."""
+    ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
+    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1}), full_embeddings=True, compare_base=False,
+                    eval_docs=1, eval_max_length=32, gen_tokens=0, train_docs=20)
+    m = adapt.run(ctx, p)
+    before, after = _state(sp_embedded_dir), _state(ctx.out_dir)
+    key = "model.embed_tokens.weight"
+    assert not torch.equal(after[key][:32000], before[key][:32000])
+    assert m["extended"]["trainable_params"] > 2 * 32000 * 64

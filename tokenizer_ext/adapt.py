@@ -1,0 +1,224 @@
+"""Stage ``tokenizer_ext.adapt``: teach the extended model its new pieces, and prove it paid off.
+
+Two runs with the same budget (steps x sequences x tokens) over the same documents: the
+extended model on the extended tokenizer, and (``compare_base``) the base model on the base
+tokenizer. Bits per character on held-out text compares them across tokenizers; the target is
+"extended <= base adapted the same way" for Arabic, and English within 5% of the base model.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenizer_ext import embed, quality
+
+if TYPE_CHECKING:
+    from warsha.stage import StageContext
+
+    from tokenizer_ext.stages import AdaptParams
+
+
+def run(ctx: "StageContext", p: "AdaptParams") -> dict[str, Any]:
+    """Adapt the extended model (and the base control), measure, write the merged model."""
+    side = embed.read_sidecar(ctx.model_dir, "tokenizer_ext.adapt")
+    base_dir = base_model_dir(ctx, side) if p.compare_base else None
+    if p.deepspeed:
+        from tokenizer_ext import ds_train
+
+        ds_train.load_config(p.deepspeed, p.train, 1, p.offload_optimizer)  # fail before any work
+    rows = _rows(ctx.model_dir)
+    if p.mode == "qlora" and rows % 32:
+        raise ValueError(
+            f"{ctx.model_dir}: {rows} vocabulary rows is not a multiple of 32, which bitsandbytes"
+            " 4-bit rejects; rerun tokenizer_ext.embed with pad_to_multiple_of: 64"
+        )
+    texts = training_texts(ctx.corpus(), p, ctx.seed)
+    new_ids = list(range(int(side["base_vocab_size"]), _tokenizer_size(ctx.model_dir)))
+    metrics: dict[str, Any] = {"mode": p.mode, "train_docs": len(texts), "deepspeed": p.deepspeed}
+    metrics["extended"] = adapt_one(ctx, p, ctx.model_dir, ctx.model_dir, new_ids, "extended", ctx.out_dir)
+    if base_dir is not None:
+        tok_dir = ctx.model_dir / "base_tokenizer"
+        metrics["base_same_budget"] = adapt_one(ctx, p, base_dir, tok_dir, [], "base", None)
+        if ctx.is_main:
+            metrics["base_model"] = _base_scores(ctx, p, base_dir, tok_dir)
+            metrics["targets"] = targets(metrics)
+    if ctx.is_main:
+        side_out = {**side, "adapted": p.mode}
+        embed.carry_tokenizer(ctx.model_dir, ctx.out_dir, side_out)
+    return metrics
+
+
+def base_model_dir(ctx: "StageContext", side: dict[str, Any]) -> Path:
+    """The unextended model: the ``base`` input if the recipe maps one, else what extend read."""
+    found = ctx.inputs.get("base") or (Path(side["base_model"]) if side.get("base_model") else None)
+    if found is None or not (Path(found) / "config.json").is_file():
+        raise ValueError(
+            "compare_base: the base model is not available (no 'base' input and no base_model"
+            f" recorded by extend at {found}); map the base artifact or set compare_base: false"
+        )
+    return Path(found)
+
+
+def training_texts(corpus: Any, p: "AdaptParams", seed: int) -> list[str]:
+    """Target-language train documents plus a ``source_fraction`` share of source text.
+
+    Mixing in the source language is what keeps English from drifting while the model learns
+    the new pieces; the order is shuffled with the run's seed and identical for both runs.
+    """
+    cfg = corpus.config
+    tgt = corpus.texts(cfg.target_lang, "train")
+    if p.train_docs:
+        tgt = tgt[: p.train_docs]
+    share = p.source_fraction
+    n_src = round(len(tgt) * share / (1 - share)) if share < 1 else len(tgt)
+    texts = tgt + corpus.texts(cfg.source_lang, "train")[:n_src]
+    random.Random(seed).shuffle(texts)
+    return texts
+
+
+def adapt_one(ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Path, new_ids: list[int],
+              name: str, out: Path | None) -> dict[str, Any]:
+    """Train one model with the shared budget; evaluate and (if ``out``) save it on rank 0."""
+    from transformers import AutoTokenizer
+
+    from warsha.training import pack_documents, random_windows
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    corpus = ctx.corpus()
+    stream = pack_documents(tok, training_texts(corpus, p, ctx.seed))
+    t = p.train
+
+    def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
+        return {"input_ids": random_windows(stream, t.batch_size, t.seq_len, ctx.seed, step, micro, rank)}
+
+    model, result, extra = _train(ctx, p, weights, new_ids, name, batch_fn, out)
+    step = max(1, len(result.losses) // 50)
+    metrics: dict[str, Any] = {**result.summary(), **extra, "stream_tokens": int(len(stream)),
+                               "loss_curve": result.losses[::step]}
+    if model is None:
+        return metrics
+    metrics["bits_per_char"] = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length)
+    if out is not None:
+        model.save_pretrained(out)
+    if p.gen_tokens:
+        import torch
+
+        model = model.to(torch.bfloat16)
+        metrics["generation"] = quality.generation_speed(model, tok, quality.prompts(corpus), p.gen_tokens)
+    return metrics
+
+
+def _train(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[int], name: str,
+           batch_fn: Any, out: Path | None) -> tuple[Any, Any, dict[str, Any]]:
+    """Dispatch on the mode; returns (plain model on rank 0 or None, TrainResult, info)."""
+    if p.mode == "qlora":
+        return _train_qlora(ctx, p, weights, new_ids, name, batch_fn, out)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    trainable = _select(model, p.mode)
+    info = {"trainable_params": sum(q.numel() for q in trainable)}
+    if p.deepspeed:
+        from tokenizer_ext import ds_train
+
+        cfg = ds_train.load_config(p.deepspeed, p.train, ds_train.world_size(), p.offload_optimizer)
+        result, state = ds_train.train(model, p.train, ctx, batch_fn, cfg, f"adapt_{name}")
+        info.update(zero_stage=ds_train.zero_stage(cfg), world_size=ds_train.world_size())
+        if state is None:
+            return None, result, info
+        return _from_state(weights, state), result, info
+    from warsha.training import Trainer
+
+    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", parameters=trainable)
+    result = trainer.run()
+    return (trainer.model.float() if ctx.is_main else None), result, info
+
+
+def _from_state(weights: Path, state: dict[str, Any]) -> Any:
+    """A fresh fp32 model holding the trained weights (ZeRO-3 left the original partitioned)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"DeepSpeed state does not fit the model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model
+
+
+def _train_qlora(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[int], name: str,
+                 batch_fn: Any, out: Path | None) -> tuple[Any, Any, dict[str, Any]]:
+    from transformers import AutoConfig
+
+    from warsha.training import Trainer
+
+    from tokenizer_ext import qlora
+
+    tied = bool(getattr(AutoConfig.from_pretrained(weights), "tie_word_embeddings", False))
+    model = qlora.load(weights, new_ids, tied, p.lora_r, p.lora_alpha, p.lora_dropout, p.double_quant,
+                       p.full_embeddings)
+    trainable, total = qlora.trainable_count(model)
+    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}")
+    result = trainer.run()
+    info = {"trainable_params": trainable, "total_params": total, "trainable_new_rows": len(new_ids)}
+    if not ctx.is_main:
+        return None, result, info
+    adapter_dir = out / "adapter" if out is not None else ctx.checkpoint_dir / f"adapter_{name}"
+    return qlora.save_and_merge(trainer.model, weights, adapter_dir), result, info
+
+
+def _select(model: Any, mode: str) -> list[Any]:
+    """Parameters to train: all of them (full) or the embedding and LM head (embeddings)."""
+    if mode == "full":
+        return [q for q in model.parameters() if q.requires_grad]
+    keep = {id(model.get_input_embeddings().weight)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        keep.add(id(head.weight))
+    for q in model.parameters():
+        q.requires_grad_(id(q) in keep)
+    return [q for q in model.parameters() if q.requires_grad]
+
+
+def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir: Path) -> dict[str, Any]:
+    """The unadapted base model on its own tokenizer: the reference English must stay near."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    out: dict[str, Any] = {"bits_per_char": quality.bits_per_char(model, tok, ctx.corpus(), p.eval_docs,
+                                                                   p.eval_max_length)}
+    if p.gen_tokens:
+        out["generation"] = quality.generation_speed(model.to(torch.bfloat16), tok, quality.prompts(ctx.corpus()),
+                                                     p.gen_tokens)
+    return out
+
+
+def targets(m: dict[str, Any]) -> dict[str, Any]:
+    """The issue's acceptance figures, computed from the measured numbers."""
+    ext, ctl, base = (m[k]["bits_per_char"] for k in ("extended", "base_same_budget", "base_model"))
+    langs = list(ext)
+    tgt, src = langs[0], langs[1]
+    return {
+        f"{tgt}_bpc_extended_le_base_adapted": ext[tgt] <= ctl[tgt],
+        f"{src}_bpc_change_vs_base_model": ext[src] / base[src] - 1.0,
+        f"{src}_bpc_within_5pct": abs(ext[src] / base[src] - 1.0) <= 0.05,
+    }
+
+
+def _rows(model_dir: Path) -> int:
+    import json
+
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
+def _tokenizer_size(model_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(model_dir))

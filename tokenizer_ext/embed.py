@@ -1,0 +1,169 @@
+"""Stage ``tokenizer_ext.embed``: resize input embeddings and LM head, initialise new rows.
+
+Default initialisation: each new row is the mean of the base rows of the pieces the *base*
+tokenizer splits the new piece's text into. The model then starts out treating the new token
+roughly as the sequence it replaces, which is why extended models recover quickly (SambaLingo,
+Yamaguchi et al.). Padding rows (to a multiple of ``pad_to_multiple_of``) get the mean of all
+base rows: never an uninitialised row, whatever the resize left there. Under ZeRO-3 the
+partitioned matrices are gathered before rows are written (``modifier_rank=0`` broadcasts
+rank 0's writes back into every partition).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from tokenizer_ext import byte_bpe, family, sp_bpe
+
+if TYPE_CHECKING:
+    import torch
+
+    from warsha.stage import StageContext
+
+    from tokenizer_ext.stages import EmbedParams
+
+SIDECAR = "tokenizer_ext.json"
+
+
+def read_sidecar(model_dir: Path, stage: str) -> dict[str, Any]:
+    """What ``extend`` recorded; a clear error when the input did not come from it."""
+    path = Path(model_dir) / SIDECAR
+    if not path.is_file():
+        raise ValueError(
+            f"{stage}: {model_dir} has no {SIDECAR}; run tokenizer_ext.extend before this stage"
+        )
+    return json.loads(path.read_text())
+
+
+def base_splits(model_dir: Path, first: int, n: int) -> list[list[int]]:
+    """For ids ``first..n-1`` of the extended tokenizer: the base ids its text splits into.
+
+    SentencePiece: the base model encodes the piece's text without the dummy prefix (a
+    word-internal piece is not a word start). Byte-level: the base merges are applied to the
+    token's bytes directly, which also covers tokens that are not whole UTF-8 characters.
+    """
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.model").is_file():
+        ext = sp_bpe.load_proto(model_dir / "tokenizer.model")
+        base = sp_bpe.processor(sp_bpe.load_proto(model_dir / "base_tokenizer" / "tokenizer.model"), False)
+        texts = [ext.pieces[i].piece.replace(sp_bpe.SPACE, " ") for i in range(first, n)]
+        return [list(ids) for ids in base.encode(texts)]
+    ext_spec = json.loads((model_dir / "tokenizer.json").read_text())
+    base_spec = json.loads((model_dir / "base_tokenizer" / "tokenizer.json").read_text())
+    by_id = {i: t for t, i in ext_spec["model"]["vocab"].items()}
+    ranks = {m: r for r, m in enumerate(byte_bpe.merge_list(base_spec))}
+    vocab = base_spec["model"]["vocab"]
+    return [[vocab[part] for part in byte_bpe.bpe_split(by_id[i], ranks)] for i in range(first, n)]
+
+
+@contextlib.contextmanager
+def gathered(params: Sequence["torch.nn.Parameter"]) -> Iterator[None]:
+    """Full parameters inside the block, also when ZeRO-3 has partitioned them."""
+    if any(hasattr(q, "ds_id") for q in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params), modifier_rank=0):
+            yield
+    else:
+        yield
+
+
+def new_rows(weight: "torch.Tensor", base_n: int, sources: list[list[int]], init: str, seed: int) -> "torch.Tensor":
+    """Rows for the new ids, computed in float32 from the first ``base_n`` rows."""
+    import torch
+
+    base = weight[:base_n].float()
+    if init == "mean_all" or not sources:
+        return base.mean(0).expand(len(sources), -1).clone()
+    if init == "random":
+        gen = torch.Generator().manual_seed(seed)
+        mu, sd = base.mean(0), base.std(0)
+        return mu + sd * torch.randn(len(sources), base.shape[1], generator=gen)
+    if init != "subword_mean":
+        raise ValueError(f"init: unknown initialiser {init!r}; use subword_mean, random or mean_all")
+    return torch.stack([base[ids].mean(0) if ids else base.mean(0) for ids in sources])
+
+
+def initialise(model: Any, base_n: int, sources: list[list[int]], init: str, seed: int) -> dict[str, Any]:
+    """Write new rows ``base_n..base_n+len(sources)-1`` and mean-fill every later (padding) row."""
+    import torch
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    matrices = [emb] if head is None or head.weight is emb else [emb, head.weight]
+    with gathered(matrices), torch.no_grad():
+        for i, w in enumerate(matrices):
+            rows = new_rows(w, base_n, sources, init, seed + i)
+            w[base_n : base_n + len(sources)] = rows.to(w.dtype)
+            w[base_n + len(sources) :] = w[:base_n].float().mean(0).to(w.dtype)
+    return {"tied": len(matrices) == 1}
+
+
+def padded_size(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple (bitsandbytes 4-bit kernels want multiples of 32)."""
+    return int(math.ceil(n / multiple) * multiple)
+
+
+def run(ctx: "StageContext", p: "EmbedParams") -> dict[str, Any]:
+    """Resize, initialise, save, and score base vs. freshly extended model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    side = read_sidecar(ctx.model_dir, "tokenizer_ext.embed")
+    ext_tok = AutoTokenizer.from_pretrained(ctx.model_dir)
+    base_n = int(side["base_vocab_size"])
+    model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
+    rows_before = model.get_input_embeddings().weight.shape[0]
+    if rows_before < base_n:
+        raise ValueError(
+            f"{ctx.model_dir}: the model has {rows_before} embedding rows but its base tokenizer"
+            f" uses {base_n} ids; the model and tokenizer do not belong together"
+        )
+    sources = base_splits(ctx.model_dir, base_n, len(ext_tok))
+    target = padded_size(len(ext_tok), p.pad_to_multiple_of)
+    model.resize_token_embeddings(target, mean_resizing=False)
+    model.config.vocab_size = target
+    info = initialise(model, base_n, sources, p.init, ctx.seed)
+    metrics: dict[str, Any] = {
+        "init": p.init, "base_rows": rows_before, "tokenizer_size": len(ext_tok), "rows": target,
+        "padding_rows": target - len(ext_tok), "tied": info["tied"],
+        "mean_pieces_per_new_row": sum(map(len, sources)) / max(len(sources), 1),
+    }
+    if p.eval_docs:
+        metrics["bits_per_char"] = _compare(ctx, p, model, ext_tok)
+    if ctx.is_main:
+        model.save_pretrained(ctx.out_dir)
+        carry_tokenizer(ctx.model_dir, ctx.out_dir, {**side, "padded_vocab_size": target, "init": p.init})
+    return metrics
+
+
+def carry_tokenizer(src: Path, dst: Path, side: dict[str, Any]) -> None:
+    """Tokenizer files, the base tokenizer and the sidecar travel with every later artifact."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in family.TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    if (src / "base_tokenizer").is_dir():
+        shutil.copytree(src / "base_tokenizer", dst / "base_tokenizer", dirs_exist_ok=True)
+    (dst / SIDECAR).write_text(json.dumps(side, indent=2))
+
+
+def _compare(ctx: "StageContext", p: "EmbedParams", model: Any, ext_tok: Any) -> dict[str, Any]:
+    """Bits per char on held-out text: base model + base tokenizer vs. extended at init."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenizer_ext.quality import bits_per_char
+
+    base_model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
+    base_tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
+    corpus = ctx.corpus()
+    out = {}
+    for name, m, tok in (("base", base_model, base_tok), ("extended_init", model, ext_tok)):
+        out[name] = bits_per_char(m, tok, corpus, p.eval_docs, p.eval_max_length)
+    return out

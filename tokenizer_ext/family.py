@@ -1,0 +1,118 @@
+"""Which tokenizer family a model directory (or file) holds, and its base vocabulary size.
+
+Dispatch ends in one clear error naming the supported families, before any training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizer_ext import byte_bpe, sp_bpe
+
+TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+SKIP_FILES = (*TOKENIZER_FILES, "warsha.json", "tokenizer_ext.json")
+# Characters whose presence marks a piece as target-language only. The bidi marks U+200E/F
+# are included because Arabic web and hadith text is full of them and English never is.
+SCRIPTS = {"ar": "[\u0600-\u06ff\u0750-\u077f\u08a0-\u08ff\ufb50-\ufdff\ufe70-\ufeff\u200e\u200f]"}
+
+
+@dataclass
+class BaseTokenizer:
+    """A base tokenizer in the form its family edits: a ModelProto or a tokenizer.json dict."""
+
+    family: str  # "sentencepiece" | "byte_level"
+    source: Path
+    proto: Any = None
+    spec: dict[str, Any] | None = None
+
+    @property
+    def size(self) -> int:
+        """Every id the base uses (specials included): added ids start here."""
+        if self.proto is not None:
+            return len(self.proto.pieces)
+        assert self.spec is not None
+        ids = [*self.spec["model"]["vocab"].values(), *(t["id"] for t in self.spec.get("added_tokens", []))]
+        return 1 + max(ids)
+
+
+def load_base(path: Path) -> BaseTokenizer:
+    """Open the tokenizer of a model directory, or a tokenizer file, by family."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "tokenizer.model").is_file():
+            return _sentencepiece(path / "tokenizer.model")
+        if (path / "tokenizer.json").is_file():
+            return _hf_json(path / "tokenizer.json")
+        raise ValueError(
+            f"{path}: no tokenizer.model or tokenizer.json; supported families: {byte_bpe.SUPPORTED}"
+        )
+    if path.suffix == ".json" and byte_bpe.is_tiktoken_json(path):
+        return BaseTokenizer("byte_level", path, spec=byte_bpe.tiktoken_to_hf(path))
+    if path.suffix == ".json":
+        return _hf_json(path)
+    return _sentencepiece(path)
+
+
+def _sentencepiece(path: Path) -> BaseTokenizer:
+    try:
+        proto = sp_bpe.load_proto(path)
+    except Exception as exc:  # protobuf raises DecodeError; anything else is the same problem
+        raise ValueError(
+            f"{path}: not a SentencePiece model ({exc}); supported families: {byte_bpe.SUPPORTED}"
+        ) from exc
+    sp_bpe.check_bpe(proto, str(path))
+    return BaseTokenizer("sentencepiece", path, proto=proto)
+
+
+def _hf_json(path: Path) -> BaseTokenizer:
+    spec = json.loads(path.read_text())
+    if "vocab" in spec and "config" in spec:
+        return BaseTokenizer("byte_level", path, spec=byte_bpe.tiktoken_to_hf(path))
+    byte_bpe.check_byte_level(spec, str(path))
+    return BaseTokenizer("byte_level", path, spec=spec)
+
+
+def script_pattern(script: str, lang: str) -> re.Pattern[str] | None:
+    """The target-script test for added pieces: ``auto`` (by language), ``none`` or a regex."""
+    if script == "none":
+        return None
+    if script == "auto":
+        return re.compile(SCRIPTS[lang]) if lang in SCRIPTS else None
+    return re.compile(script)
+
+
+def copy_model_files(src: Path, dst: Path) -> None:
+    """Carry the model's weights and configs into ``dst`` without the old tokenizer.
+
+    Hard links where the filesystem allows (artifacts are immutable, and an 8B checkpoint
+    should not be copied just to ship a new tokenizer beside it), copies otherwise.
+    """
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.name in SKIP_FILES or item.is_dir():
+            continue
+        target = dst / item.name
+        try:
+            os.link(item, target)
+        except OSError:
+            shutil.copy2(item, target)
+
+
+def save_base_tokenizer(src: Path, dst: Path) -> None:
+    """Keep the base tokenizer beside the extended one: ``embed`` splits new pieces with it."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)

@@ -1,0 +1,81 @@
+"""QLoRA adaptation: NF4 base through bitsandbytes, LoRA on every linear layer through peft.
+
+Only the new vocabulary rows of the embedding and LM head train (peft
+``trainable_token_indices``), so the base vocabulary's rows, and with them the base model's
+behaviour on text without the new pieces, stay as they were; ``full_embeddings`` trains the
+whole matrices instead (``modules_to_save``). The artifact is a plain HF model: the adapter is
+merged into the unquantized weights, and the adapter alone is kept in a subdirectory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BNB_MULTIPLE = 32  # bitsandbytes 4-bit no-grad forward needs output sizes divisible by 32
+
+
+def check_shapes(model_dir: Path) -> None:
+    """Fail before loading when a quantized layer's output size would break bitsandbytes."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    sizes = {
+        "hidden_size": getattr(cfg, "hidden_size", 0),
+        "intermediate_size": getattr(cfg, "intermediate_size", 0),
+    }
+    bad = {k: v for k, v in sizes.items() if v % BNB_MULTIPLE}
+    if bad:
+        raise ValueError(
+            f"{model_dir}/config.json: {bad} not divisible by {BNB_MULTIPLE}; bitsandbytes 4-bit"
+            " cannot run these layers; use mode full or embeddings"
+        )
+
+
+def load(model_dir: Path, new_ids: list[int], tied: bool, r: int, alpha: int, dropout: float,
+         double_quant: bool, full_embeddings: bool) -> Any:
+    """The 4-bit base wrapped in a LoRA model with the new rows (or matrices) trainable."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    check_shapes(model_dir)
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=torch.bfloat16)
+    heads = ["embed_tokens"] if tied else ["embed_tokens", "lm_head"]
+    extra: dict[str, Any] = {}
+    if full_embeddings:
+        extra["modules_to_save"] = heads
+    elif new_ids:
+        extra["trainable_token_indices"] = {name: list(new_ids) for name in heads}
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear",
+                     task_type="CAUSAL_LM", **extra)
+    peft_model = get_peft_model(model, cfg)
+    for q in peft_model.parameters():  # trainable weights in fp32; bf16 autocast does the math
+        if q.requires_grad:
+            q.data = q.data.float()
+    return peft_model
+
+
+def trainable_count(model: Any) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(q.numel() for q in model.parameters())
+    return sum(q.numel() for q in model.parameters() if q.requires_grad), total
+
+
+def save_and_merge(peft_model: Any, model_dir: Path, adapter_dir: Path) -> Any:
+    """Save the adapter, then merge it into the unquantized base: a plain HF model (fp32)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_model.save_pretrained(adapter_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    return merged

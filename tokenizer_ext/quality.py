@@ -1,0 +1,59 @@
+"""Quality and speed measurements shared by ``embed`` and ``adapt`` (held-out split only).
+
+Bits per character, not perplexity: the base and the extended model cut the same text into
+different numbers of tokens, so only a per-character figure compares them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from warsha.evaluate import likelihood
+
+SPLIT = "validation"
+
+
+def bits_per_char(model: Any, tok: Any, corpus: Any, docs: int, max_length: int) -> dict[str, float]:
+    """Bits per character on the first ``docs`` held-out documents of each language."""
+    model.eval()
+    cfg = corpus.config
+    out = {}
+    for lang in (cfg.target_lang, cfg.source_lang):
+        texts = corpus.texts(lang, SPLIT)[:docs]
+        out[lang] = likelihood(model, tok, texts, max_length, batch_size=8, desc=f"bpc {lang}").bits_per_char
+    return out
+
+
+def generation_speed(model: Any, tok: Any, prompts: list[str], new_tokens: int) -> dict[str, float]:
+    """Characters of generated text per second (greedy, batch 1, bf16 where the model is).
+
+    Tokens per second flatters a tokenizer with short pieces; what a user waits for is text,
+    so this counts decoded characters.
+    """
+    import torch
+
+    model.eval()
+    chars, seconds, tokens = 0, 0.0, 0
+    if prompts:  # warm-up: the first call pays one-off allocation and dispatch costs
+        with torch.inference_mode():
+            model.generate(**tok(prompts[0], return_tensors="pt"), max_new_tokens=2, do_sample=False,
+                           pad_token_id=tok.eos_token_id)
+    for prompt in prompts:
+        enc = tok(prompt, return_tensors="pt")
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=tok.eos_token_id)
+        seconds += time.perf_counter() - t0
+        new = out[0, enc["input_ids"].shape[1]:]
+        tokens += int(new.numel())
+        chars += len(tok.decode(new, skip_special_tokens=True))
+    return {"chars_per_s": chars / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
+            "chars_per_token": chars / max(tokens, 1)}
+
+
+def prompts(corpus: Any, n: int = 4, words: int = 8) -> list[str]:
+    """Short target-language prompts: the first words of held-out documents."""
+    texts = corpus.texts(corpus.config.target_lang, SPLIT)[:n]
+    return [" ".join(t.split()[:words]) for t in texts]

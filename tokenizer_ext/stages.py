@@ -1,0 +1,133 @@
+"""Stages of ``tokenizer_ext``: extend the vocabulary, initialise embeddings, adapt.
+
+Imported by the recipe validator: only dataclasses, typing and the core's schema here; the
+heavy work lives in sibling modules imported inside each ``run``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from warsha.schema import check, ge, gt, le
+from warsha.stage import StageDef, StageContext
+from warsha.training import TrainParams
+
+
+@dataclass
+class ExtendParams:
+    """``tokenizer_ext.extend``: how many pieces to learn and how to keep them safe."""
+
+    vocab_size: int = field(
+        default=48000,
+        metadata=check(ge(2), help="total ids after extension (base + added); must exceed the base's"),
+    )
+    train_vocab_size: int | None = field(
+        default=None, metadata=check(ge(2), help="size of the target-language BPE (default: pieces to add)")
+    )
+    character_coverage: float = field(default=0.9995, metadata=check(gt(0.0), le(1.0)))
+    max_train_chars: int = field(
+        default=0, metadata=check(ge(0), help="cap on training characters, seeded sample (0 = all)")
+    )
+    script: str = field(
+        default="auto",
+        metadata=check(help="added pieces must contain this script: auto (by language), none, or a regex class"),
+    )
+    prune_unreachable: bool = field(default=True, metadata=check(help="drop added pieces nothing produces"))
+    check_docs: int = field(default=0, metadata=check(ge(0), help="held-out docs per check (0 = all)"))
+
+
+@dataclass
+class EmbedParams:
+    """``tokenizer_ext.embed``: resize, initialise and measure the untrained extension."""
+
+    init: Literal["subword_mean", "random", "mean_all"] = field(
+        default="subword_mean",
+        metadata=check(help="new rows: mean of the base pieces' rows, random, or mean of all rows"),
+    )
+    pad_to_multiple_of: int = field(
+        default=64, metadata=check(ge(1), help="pad rows to a multiple (bitsandbytes 4-bit needs 32)")
+    )
+    eval_docs: int = field(default=64, metadata=check(ge(0), help="held-out docs for bits per char (0 = skip)"))
+    eval_max_length: int = field(default=256, metadata=check(ge(8)))
+
+
+@dataclass
+class AdaptParams:
+    """``tokenizer_ext.adapt``: teach the model its new pieces (QLoRA or full/embeddings)."""
+
+    mode: Literal["qlora", "full", "embeddings"] = "qlora"
+    train: TrainParams = field(default_factory=lambda: TrainParams(lr=2e-4))
+    lora_r: int = field(default=16, metadata=check(ge(1)))
+    lora_alpha: int = field(default=32, metadata=check(ge(1)))
+    lora_dropout: float = field(default=0.0, metadata=check(ge(0.0), le(0.9)))
+    double_quant: bool = field(default=True, metadata=check(help="NF4 double quantization of the scales"))
+    full_embeddings: bool = field(
+        default=False, metadata=check(help="qlora: train whole embedding and LM head instead of the new rows")
+    )
+    deepspeed: str | None = field(
+        default=None, metadata=check(help="DeepSpeed JSON (recipes/deepspeed/*.json) for full/embeddings")
+    )
+    offload_optimizer: bool = field(default=False, metadata=check(help="DeepSpeed: optimizer state on CPU"))
+    compare_base: bool = field(
+        default=True, metadata=check(help="also adapt the base model on its own tokenizer with the same budget")
+    )
+    train_docs: int = field(default=0, metadata=check(ge(0), help="cap on training documents (0 = all)"))
+    source_fraction: float = field(
+        default=0.5, metadata=check(ge(0.0), le(1.0), help="share of source-language text mixed in (keeps English)")
+    )
+    eval_docs: int = field(default=64, metadata=check(ge(1)))
+    eval_max_length: int = field(default=256, metadata=check(ge(8)))
+    gen_tokens: int = field(default=64, metadata=check(ge(0), help="greedy tokens per prompt for chars/s (0 = skip)"))
+
+    def validate(self) -> list[str]:
+        """Options that only make sense in some modes."""
+        problems = []
+        if self.mode == "qlora" and self.deepspeed:
+            problems.append("deepspeed: QLoRA runs without DeepSpeed here; use mode full or embeddings")
+        if self.offload_optimizer and not self.deepspeed:
+            problems.append("offload_optimizer: needs a deepspeed config")
+        if self.full_embeddings and self.mode != "qlora":
+            problems.append("full_embeddings: only for mode qlora (full/embeddings train whole matrices)")
+        return problems
+
+
+def _extend(ctx: StageContext, params: Any) -> dict[str, Any]:
+    from tokenizer_ext import extend
+
+    return extend.run(ctx, params)
+
+
+def _embed(ctx: StageContext, params: Any) -> dict[str, Any]:
+    from tokenizer_ext import embed
+
+    return embed.run(ctx, params)
+
+
+def _adapt(ctx: StageContext, params: Any) -> dict[str, Any]:
+    from tokenizer_ext import adapt
+
+    return adapt.run(ctx, params)
+
+
+STAGES: dict[str, StageDef] = {
+    "extend": StageDef(
+        name="tokenizer_ext.extend",
+        params=ExtendParams,
+        run=_extend,
+        description="train target-language BPE pieces and append them to the base tokenizer",
+    ),
+    "embed": StageDef(
+        name="tokenizer_ext.embed",
+        params=EmbedParams,
+        run=_embed,
+        description="resize embeddings and LM head; initialise new rows from their base pieces",
+    ),
+    "adapt": StageDef(
+        name="tokenizer_ext.adapt",
+        params=AdaptParams,
+        run=_adapt,
+        description="adaptation fine-tune (QLoRA, or full/embeddings under DeepSpeed ZeRO)",
+        training=True,
+    ),
+}

@@ -1,0 +1,109 @@
+"""Writing the quantized model directory (the layout is specified in FORMAT.md).
+
+Quantized linears are replaced by their packed tensors; every other tensor (embeddings, norms,
+including AWQ-folded norms, lm_head) is written as it is, in the input checkpoint's dtype.
+``config.json`` is the input's plus ``quantization_config``; tokenizer files are copied.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantize.pack import pack_awq, pack_gptq
+from quantize.quantizer import QuantizedLinear
+
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                   "chat_template*", "vocab.*", "merges.txt", "*.tiktoken")
+SHARD_BYTES = 4 * 1024**3
+
+
+def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, skipped: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``quantization_config`` block transformers, vLLM and gptqmodel read."""
+    if fmt == "gptq":
+        qc: dict[str, Any] = {
+            "quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
+            "desc_act": bool(extra.get("desc_act", False)), "checkpoint_format": "gptq", "lm_head": False,
+        }
+        qc.update({k: v for k, v in extra.items() if k != "desc_act"})
+        if skipped:  # gptqmodel/vLLM "dynamic": a leading "-:" excludes matching modules
+            qc["dynamic"] = {f"-:^{re.escape(name)}$": {} for name in skipped}
+    else:
+        qc = {"quant_method": "awq", "version": "gemm", "bits": bits, "group_size": group_size, "zero_point": not sym}
+    qc["modules_to_not_convert"] = list(skipped) or None
+    qc["meta"] = {"quantizer": ["warsha:0.1.0"]}  # gptqmodel/transformers keep tool versions here
+    return qc
+
+
+def packed_state(model: Any, quantized: dict[str, QuantizedLinear], fmt: str, save_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of the output checkpoint."""
+    state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        module, leaf = name.rsplit(".", 1)
+        if module in quantized and leaf == "weight":
+            continue
+        if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+            continue
+        out[name] = (t.to(save_dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
+    pack = pack_gptq if fmt == "gptq" else pack_awq
+    for module, ql in quantized.items():
+        for suffix, t in pack(ql).items():
+            out[f"{module}.{suffix}"] = t.contiguous()
+    return out
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """One ``model.safetensors``, or shards plus ``model.safetensors.index.json`` when large."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        path = out_dir / "model.safetensors"
+        save_file(shards[0], str(path), metadata=meta)
+        return [path]
+    paths, weight_map = [], {}
+    for k, shard in enumerate(shards, 1):
+        path = out_dir / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path), metadata=meta)
+        weight_map.update({name: path.name for name in shard})
+        paths.append(path)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return paths
+
+
+def source_dtype(src_dir: Path) -> torch.dtype:
+    """The dtype the input checkpoint declares (float tensors are written back in it)."""
+    raw = json.loads((Path(src_dir) / "config.json").read_text())
+    name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def export(model: Any, quantized: dict[str, QuantizedLinear], src_dir: Path, out_dir: Path, qconfig: dict[str, Any]) -> None:
+    """Write the whole output directory."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_safetensors(packed_state(model, quantized, qconfig["quant_method"], source_dtype(src_dir)), out_dir)
+    raw = json.loads((Path(src_dir) / "config.json").read_text())
+    raw["quantization_config"] = qconfig
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    for pattern in TOKENIZER_FILES:
+        for f in Path(src_dir).glob(pattern):
+            if f.is_file():
+                shutil.copy2(f, out_dir / f.name)

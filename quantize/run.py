@@ -1,0 +1,184 @@
+"""What a quantize stage does when it runs: load, check, calibrate, quantize, export, measure.
+
+Metrics (per evaluation language, on the corpus's validation split): perplexity and bits per
+character of the unquantized input, of the exported artifact (loaded back through the
+``dequant`` reference, so the numbers describe what was written, not an in-memory model), the
+relative perplexity increase, and for AWQ/GPTQ the same figures for RTN on the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantize.arch import ArchSpec, arch_for
+from quantize.awq import AWQOptions
+from quantize.calib import calibration_ids, interleave
+from quantize.export import export, quantization_config
+from quantize.gptq import GPTQOptions
+from quantize.layerwise import (
+    Plan,
+    awq_method,
+    capture_layer0,
+    check_model_finite,
+    gptq_method,
+    plan_layers,
+    quantize_layers,
+    rtn_method,
+)
+from quantize.quantizer import QuantizedLinear, QuantSpec
+
+log = logging.getLogger("warsha.quantize")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_arch(model_dir: Path) -> ArchSpec:
+    """The architecture spec from ``config.json``, before any weight is loaded."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"quantize: {model_dir} has no config.json; expected an HF model directory")
+    raw = json.loads(path.read_text())
+    if raw.get("quantization_config"):
+        raise ValueError(f"quantize: {model_dir} is already quantized ({raw['quantization_config'].get('quant_method')})")
+    return arch_for(str(raw.get("model_type")))
+
+
+def load_model(model_dir: Path, dtype: torch.dtype) -> Any:
+    """The float model, on CPU (layers move to the compute device one at a time)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def quantize_model(
+    model: Any, arch: ArchSpec, method: str, params: Any, calib_ids: torch.Tensor | None, device: str, plan: Plan
+) -> tuple[dict[str, QuantizedLinear], dict[str, Any]]:
+    """Run one method over the whole model in place; returns the quantized linears and info."""
+    spec = QuantSpec(params.bits, params.group_size, params.sym)
+    dtype = DTYPES[params.compute_dtype]
+    info: dict[str, Any] = {}
+    if method == "rtn":
+        return quantize_layers(model, arch, plan, rtn_method(spec), None, device, "rtn"), info
+    assert calib_ids is not None
+    calib = capture_layer0(model, arch, calib_ids, params.batch_size, device, dtype)
+    if method == "gptq":
+        opts = GPTQOptions(params.damp, params.blocksize, params.desc_act, params.static_groups)
+        fn = gptq_method(arch, spec, opts)
+    else:
+        alphas: dict[str, float] = {}
+        info["alphas"] = alphas
+        fn = awq_method(arch, spec, AWQOptions(params.n_grid, params.max_shrink, clip=params.clip), alphas)
+    return quantize_layers(model, arch, plan, fn, calib, device, method), info
+
+
+def evaluate(model: Any, tokenizer: Any, texts: dict[str, list[str]], params: Any, label: str, device: str = "cpu") -> dict[str, dict[str, float]]:
+    """Perplexity and bits per character per language (on ``device``, then back to the CPU)."""
+    from warsha.evaluate import likelihood
+
+    out = {}
+    model.to(device)
+    for lang, docs in texts.items():
+        lk = likelihood(model, tokenizer, docs, params.eval_max_length, params.eval_batch_size, desc=f"{label} {lang}")
+        out[lang] = {"perplexity": lk.perplexity, "bits_per_char": lk.bits_per_char, "tokens": lk.tokens}
+    model.to("cpu")
+    return out
+
+
+def _relative(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {lang: after[lang]["perplexity"] / before[lang]["perplexity"] - 1 for lang in before}
+
+
+def dir_bytes(path: Path, pattern: str = "*.safetensors") -> int:
+    """Bytes of the weight files of a model directory."""
+    return sum(f.stat().st_size for f in Path(path).glob(pattern))
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` means the first GPU when there is one (layers visit it one at a time)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
+    """Entry point of the three stages."""
+    from transformers import AutoTokenizer
+
+    src = Path(ctx.model_dir)
+    device = resolve_device(ctx.device)
+    arch = model_arch(src)
+    corpus = ctx.corpus()
+    eval_texts = {lang: corpus.texts(lang, "validation")[: params.eval_documents] for lang in params.eval_langs}
+    for lang, docs in eval_texts.items():
+        if not docs:
+            raise ValueError(f"quantize: the corpus has no {lang!r} documents in the validation split; fix eval_langs")
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    calib_ids = None
+    if method != "rtn":
+        texts = interleave([corpus.texts(lang, "train") for lang in params.calib_langs], ctx.seed)
+        calib_ids = calibration_ids(tokenizer, texts, params.n_samples, params.seq_len)
+    model = load_model(src, DTYPES[params.compute_dtype])
+    check_model_finite(model)
+    plan = plan_layers(model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, params.on_bad_group)
+    if not ctx.is_main:
+        return {}
+    ctx.log.info("quantize.%s: %s, %d-bit, group %d, %s", method, src, params.bits, params.group_size, "sym" if params.sym else "asym")
+    before = evaluate(model, tokenizer, eval_texts, params, "unquantized", device)
+    start = time.perf_counter()
+    quantized, info = quantize_model(model, arch, method, params, calib_ids, device, plan)
+    wall = time.perf_counter() - start
+    extra = _format_extra(method, params)
+    qconfig = quantization_config(params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), extra)
+    export(model, quantized, src, ctx.out_dir, qconfig)
+    del model
+    from quantize.dequant import load_dequantized
+
+    after = evaluate(load_dequantized(ctx.out_dir, DTYPES[params.compute_dtype]), tokenizer, eval_texts, params, method, device)
+    metrics: dict[str, Any] = {
+        "method": method,
+        "format": params.format,
+        "unquantized": before,
+        "quantized": after,
+        "perplexity_increase_rel": _relative(after, before),
+        "quantize_seconds": wall,
+        "size_bytes": dir_bytes(ctx.out_dir),
+        "input_size_bytes": dir_bytes(src),
+        "quantized_linears": len(quantized),
+        "unquantized_linears": plan.skipped,
+    }
+    metrics["compression"] = metrics["input_size_bytes"] / max(metrics["size_bytes"], 1)
+    if "alphas" in info:
+        metrics["awq_alpha_mean"] = sum(info["alphas"].values()) / max(len(info["alphas"]), 1)
+    if method != "rtn" and params.compare_rtn:
+        metrics["rtn"] = _rtn_reference(src, arch, params, plan, device, tokenizer, eval_texts)
+        metrics["rtn_perplexity_increase_rel"] = _relative(metrics["rtn"], before)
+    _log_summary(ctx, method, metrics)
+    return metrics
+
+
+def _format_extra(method: str, params: Any) -> dict[str, Any]:
+    if method == "gptq":
+        return {"desc_act": params.desc_act, "static_groups": params.static_groups, "damp_percent": params.damp, "true_sequential": True}
+    return {"desc_act": False}
+
+
+def _rtn_reference(src: Path, arch: ArchSpec, params: Any, plan: Plan, device: str, tokenizer: Any, texts: dict[str, list[str]]) -> dict[str, Any]:
+    """RTN with the same grid on a fresh copy of the input (cheap: no calibration)."""
+    model = load_model(src, DTYPES[params.compute_dtype])
+    quantize_model(model, arch, "rtn", params, None, device, plan)
+    return evaluate(model, tokenizer, texts, params, "rtn", device)
+
+
+def _log_summary(ctx: Any, method: str, m: dict[str, Any]) -> None:
+    for lang, rel in m["perplexity_increase_rel"].items():
+        line = (f"quantize.{method} [{lang}] perplexity {m['unquantized'][lang]['perplexity']:.3f} ->"
+                f" {m['quantized'][lang]['perplexity']:.3f} ({rel:+.2%})")
+        if "rtn" in m:
+            line += f"; RTN {m['rtn'][lang]['perplexity']:.3f} ({m['rtn_perplexity_increase_rel'][lang]:+.2%})"
+        ctx.log.info(line)
+    ctx.log.info("quantize.%s: %.1f s, %.2f MB on disk (%.2fx smaller)", method, m["quantize_seconds"], m["size_bytes"] / 1e6, m["compression"])

@@ -1,0 +1,96 @@
+"""Stages ``quantize.awq``, ``quantize.gptq`` and ``quantize.rtn``.
+
+Imports nothing heavy: the runner imports this module to validate recipes in well under a
+second; torch and transformers are imported inside ``quantize.run`` when a stage runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from warsha.schema import check, ge, gt, le, multiple_of
+from warsha.stage import StageContext, StageDef
+
+
+@dataclass
+class RTNParams:
+    """Round-to-nearest: the baseline every calibrated method must beat."""
+
+    bits: Literal[3, 4, 8] = field(default=4, metadata=check(help="bits per weight"))
+    group_size: int = field(default=128, metadata=check(ge(8), multiple_of(8), help="input columns per scale/zero"))
+    sym: bool = field(default=True, metadata=check(help="symmetric grid (zero fixed at 2**(bits-1))"))
+    format: Literal["gptq", "awq"] = field(default="gptq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md"))
+    on_bad_group: Literal["error", "fallback"] = field(
+        default="error", metadata=check(help="a linear the group size does not divide: stop, or keep it unquantized")
+    )
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        default="float32", metadata=check(help="dtype of the layer-by-layer computation")
+    )
+    eval_langs: list[str] = field(default_factory=lambda: ["ar", "en"])
+    eval_documents: int = field(default=200, metadata=check(ge(1), help="validation documents per language"))
+    eval_max_length: int = field(default=512, metadata=check(ge(16), help="likelihood window in tokens"))
+    eval_batch_size: int = field(default=8, metadata=check(ge(1)))
+
+    def validate(self) -> list[str]:
+        """Cross-field checks."""
+        problems = []
+        if self.format == "awq" and self.bits != 4:
+            problems.append(f"format: the AWQ GEMM layout holds 4-bit weights only, got bits={self.bits}; use format: gptq")
+        return problems
+
+
+@dataclass
+class CalibratedParams(RTNParams):
+    """Fields shared by the calibrated methods."""
+
+    n_samples: int = field(default=128, metadata=check(ge(1), help="calibration rows"))
+    seq_len: int = field(default=512, metadata=check(ge(16), help="tokens per calibration row (documents are packed)"))
+    calib_langs: list[str] = field(default_factory=lambda: ["ar", "en"])
+    batch_size: int = field(default=8, metadata=check(ge(1), help="calibration rows per forward pass"))
+    compare_rtn: bool = field(default=True, metadata=check(help="also measure RTN on the same model"))
+
+
+@dataclass
+class GPTQParams(CalibratedParams):
+    """GPTQ: Hessian-aware error feedback."""
+
+    damp: float = field(default=0.01, metadata=check(gt(0.0), le(1.0), help="fraction of mean diag(H) added"))
+    desc_act: bool = field(default=False, metadata=check(help="act-order: columns by decreasing diag(H)"))
+    static_groups: bool = field(default=True, metadata=check(help="with desc_act: fix group grids before reordering"))
+    blocksize: int = field(default=128, metadata=check(ge(1), help="columns per lazy update block"))
+
+    def validate(self) -> list[str]:
+        """Cross-field checks."""
+        problems = super().validate()
+        if self.format == "awq" and self.desc_act and not self.static_groups:
+            problems.append("format: act-order without static groups needs g_idx, which the AWQ layout lacks; use format: gptq")
+        return problems
+
+
+@dataclass
+class AWQParams(CalibratedParams):
+    """AWQ: activation-aware scales and clipping."""
+
+    sym: bool = field(default=False, metadata=check(help="symmetric grid (AWQ's zero_point: false)"))
+    format: Literal["gptq", "awq"] = field(default="awq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md"))
+    n_grid: int = field(default=20, metadata=check(ge(2), help="alpha values tried in [0, 1)"))
+    max_shrink: float = field(default=0.5, metadata=check(gt(0.0), le(0.9), help="largest clipping shrink of the max"))
+    clip: bool = field(default=True, metadata=check(help="search per-group clipping thresholds"))
+    n_samples: int = field(default=64, metadata=check(ge(1), help="calibration rows"))
+
+
+def _run(method: str) -> Any:
+    def run(ctx: StageContext, params: Any) -> dict[str, Any]:
+        from quantize.run import run_stage
+
+        return run_stage(ctx, params, method)
+
+    return run
+
+
+STAGES: dict[str, StageDef] = {
+    "awq": StageDef("quantize.awq", AWQParams, _run("awq"), "AWQ 4-bit weight quantization (CPU or GPU), layer by layer"),
+    "gptq": StageDef("quantize.gptq", GPTQParams, _run("gptq"), "GPTQ 4-bit weight quantization (CPU or GPU), layer by layer"),
+    "rtn": StageDef("quantize.rtn", RTNParams, _run("rtn"), "round-to-nearest weight quantization (the baseline)"),
+}

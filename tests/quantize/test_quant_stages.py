@@ -1,0 +1,99 @@
+"""The three stages end to end on a tiny model and a synthetic corpus, plus their params."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quantize.stages import STAGES, AWQParams, GPTQParams, RTNParams
+from warsha.schema import from_dict
+
+SMALL = {"group_size": 32, "eval_documents": 12, "eval_max_length": 64}
+CALIB = {"n_samples": 8, "seq_len": 48, "batch_size": 4}
+
+
+def test_registry_and_fast_import() -> None:
+    assert {k: v.name for k, v in STAGES.items()} == {"awq": "quantize.awq", "gptq": "quantize.gptq", "rtn": "quantize.rtn"}
+    code = "import sys, quantize.stages; print(any(m == 'torch' or m.startswith('transformers') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_params_report_every_problem() -> None:
+    problems: list[str] = []
+    from_dict(AWQParams, {"bits": 3, "group_size": 100, "on_bad_group": "skip"}, "stages[5].params", problems)
+    assert "stages[5].params.group_size: must be a multiple of 8, got 100" in problems
+    assert any(p.startswith("stages[5].params.on_bad_group: must be one of 'error' | 'fallback'") for p in problems)
+    problems = []
+    from_dict(AWQParams, {"bits": 3}, "p", problems)
+    assert problems == ["p.format: the AWQ GEMM layout holds 4-bit weights only, got bits=3; use format: gptq"]
+    problems = []
+    from_dict(GPTQParams, {"format": "awq", "desc_act": True, "static_groups": False, "damp": 0}, "p", problems)
+    assert problems == ["p.damp: must be > 0.0, got 0.0"]
+    problems = []
+    from_dict(GPTQParams, {"format": "awq", "desc_act": True, "static_groups": False}, "p", problems)
+    assert problems and "g_idx" in problems[0]
+
+
+def _check_artifact(out: Path, method: str) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert len(AutoTokenizer.from_pretrained(out)) > 500
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+@pytest.mark.parametrize("method,params", [
+    ("gptq", GPTQParams(**SMALL, **CALIB)),
+    ("awq", AWQParams(**SMALL, **CALIB, format="gptq", n_grid=10)),
+    ("rtn", RTNParams(**SMALL, format="awq", sym=False)),
+])
+def test_stage_runs_and_reports(make_ctx: Any, method: str, params: Any) -> None:
+    ctx = make_ctx(name=method)
+    m = STAGES[method].run(ctx, params)
+    qc = _check_artifact(ctx.out_dir, method)
+    assert qc["quant_method"] == params.format and qc["group_size"] == 32
+    for lang in ("ar", "en"):
+        for key in ("unquantized", "quantized"):
+            assert m[key][lang]["perplexity"] > 1 and m[key][lang]["bits_per_char"] > 0
+        rel = m["perplexity_increase_rel"][lang]
+        assert rel == pytest.approx(m["quantized"][lang]["perplexity"] / m["unquantized"][lang]["perplexity"] - 1)
+        assert abs(rel) < 0.2  # a random tiny model barely moves; a packing bug would explode it
+    assert m["size_bytes"] < 0.6 * m["input_size_bytes"] and m["quantize_seconds"] > 0
+    assert ("rtn" in m) == (method != "rtn")
+
+
+def test_stage_refuses_too_little_calibration_text(make_ctx: Any) -> None:
+    ctx = make_ctx(name="big")
+    with pytest.raises(ValueError, match="calibration needs n_samples x seq_len = 4000 x 512"):
+        STAGES["gptq"].run(ctx, GPTQParams(**SMALL, n_samples=4000))
+    assert not ctx.out_dir.exists()
+
+
+def test_stage_refuses_unknown_architecture(make_ctx: Any, tmp_path: Path) -> None:
+    src = tmp_path / "gpt2"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        STAGES["rtn"].run(make_ctx(src=src), RTNParams(**SMALL))
+
+
+@pytest.mark.slow
+def test_awq_and_gptq_stages_on_the_bundled_corpus(model_dir: Path, tmp_path: Path) -> None:
+    """End to end on real hadith text (the demo extra), group 64, with the RTN comparison."""
+    from tests.quantize.quant_fixtures import FakeContext
+
+    from warsha.data import DataConfig, load_corpus
+
+    corpus = load_corpus(DataConfig(collections=["bukhari"], max_documents=3000))
+    for method, params in (("awq", AWQParams(group_size=64, n_samples=16, seq_len=128, eval_documents=30, eval_max_length=128)),
+                           ("gptq", GPTQParams(group_size=64, n_samples=16, seq_len=128, eval_documents=30, eval_max_length=128, desc_act=True))):
+        ctx = FakeContext(model_dir=model_dir, out_dir=tmp_path / method, the_corpus=corpus)
+        m = STAGES[method].run(ctx, params)
+        assert set(m["perplexity_increase_rel"]) == {"ar", "en"}
+        assert m["rtn"]["ar"]["tokens"] == m["quantized"]["ar"]["tokens"] > 1000

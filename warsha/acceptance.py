@@ -321,6 +321,7 @@ class SpecStats:
             "rounds": self.rounds,
             "proposed": self.proposed,
             "accepted": self.accepted,
+            "verified": self.verified,
             "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
         }
 

@@ -184,3 +184,16 @@ def unigram_bits_per_char(train_ids: Sequence[Sequence[int]], texts: Sequence[st
     for seq in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
         nll -= sum(math.log((counts[t] + 1) / total) for t in seq)
     return nll / math.log(2) / max(sum(len(t) for t in texts), 1)
+
+
+# Acceptance-rate metrics live in warsha/acceptance.py (their own module, as they drive two
+# models); re-exported here so every metric has one import path.
+from warsha.acceptance import (  # noqa: E402,F401
+    SpecStats,
+    analytic_acceptance,
+    empirical_acceptance,
+    expected_accepted_length,
+    expected_speedup,
+    measure_cost_ratio,
+    speculative_generate,
+)

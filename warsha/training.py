@@ -208,7 +208,9 @@ class Trainer:
             if (step + 1) % self.p.checkpoint_every == 0 and step + 1 < self.p.steps:
                 self._checkpoint(acc, step + 1)
         acc.wait_for_everyone()
-        self.model = acc.unwrap_model(model)
+        # keep_fp32_wrapper=False: otherwise forward stays wrapped in bf16 autocast after training
+        # and every later evaluation silently runs in bf16.
+        self.model = acc.unwrap_model(model, keep_fp32_wrapper=False)
         check_ranks_in_sync(acc, self.model, self.name)
         return TrainResult(losses, tokens, time.perf_counter() - t0, start, acc.num_processes)
 

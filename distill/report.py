@@ -1,0 +1,156 @@
+"""Measurements of the drafts and the tables and plot the stage writes beside them.
+
+Every figure comes from ``warsha.acceptance`` (the metric definitions the serving check uses
+too) and ``warsha.evaluate``; this file only chooses the held-out data and lays out results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distill.stages import DraftParams
+    from warsha.stage import StageContext
+
+
+def spec_prompts(held_out: list[list[int]], n: int, length: int) -> list[list[int]]:
+    """The first ``n`` held-out documents long enough to give a ``length``-token prompt."""
+    prompts = [d[:length] for d in held_out if len(d) > length]
+    if not prompts:
+        raise ValueError(f"spec_prompt_len: no validation document has more than {length} tokens")
+    # alternate ends of the list: target-language documents come first, source-language last
+    mixed = [x for pair in zip(prompts, reversed(prompts)) for x in pair]
+    return list(dict.fromkeys(map(tuple, mixed)))[:n]  # type: ignore[arg-type]
+
+
+def measure(
+    ctx: "StageContext", p: "DraftParams", target: Any, models: dict[str, Any], tokenizer: Any, texts: list[str]
+) -> dict[str, Any]:
+    """Analytic acceptance for every draft, empirical runs and speedups for the trained ones.
+
+    Batch-1 decoding of a small model is per-call overhead, not arithmetic: on a shared CPU a
+    second intra-op thread only adds synchronisation (measured 5-40x slower here), so the
+    measurements run with ``decode_threads`` threads and restore the setting afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    if p.decode_threads:
+        torch.set_num_threads(p.decode_threads)
+    try:
+        return _measure(ctx, p, target, models, tokenizer, texts)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(
+    ctx: "StageContext", p: "DraftParams", target: Any, models: dict[str, Any], tokenizer: Any, texts: list[str]
+) -> dict[str, Any]:
+    from distill.data import encode_docs
+    from warsha.acceptance import analytic_acceptance, measure_cost_ratio, plain_tokens_per_s
+    from warsha.evaluate import likelihood
+
+    held_out = [d[: p.eval_len] for d in encode_docs(tokenizer, texts)]
+    temps = sorted({0.0, 1.0, *p.spec_temperatures})
+    out: dict[str, Any] = {"acceptance": {}, "bits_per_char": {}, "speculative": {}, "speedup": {}}
+    ar_texts = texts[: p.eval_documents]
+    for name, model in [("target", target), *models.items()]:
+        lk = likelihood(model, tokenizer, ar_texts, p.eval_len, desc=f"bpc {name}")
+        out["bits_per_char"][name] = lk.bits_per_char
+        if name != "target":
+            out["acceptance"][name] = analytic_acceptance(target, model, held_out, temps, p.eval_len)
+            ctx.tracker.log({f"acceptance/{name}/{k}": v for k, v in out["acceptance"][name].items()})
+    for ref in ("baseline", "init"):
+        if ref in out["acceptance"]:
+            out[f"gain_over_{ref}"] = {
+                k: out["acceptance"]["distilled"][k] - out["acceptance"][ref][k]
+                for k in out["acceptance"][ref] if k != "positions"
+            }
+    out["cost"] = measure_cost_ratio(target, models["distilled"], context=p.spec_prompt_len + p.spec_new_tokens)
+    prompts = spec_prompts(held_out, p.spec_prompts, p.spec_prompt_len)
+    out["plain_tokens_per_s"] = {
+        f"t{t:g}": plain_tokens_per_s(target, prompts, p.spec_new_tokens, t, ctx.seed) for t in p.spec_temperatures
+    }
+    for name in ("distilled", "baseline"):
+        if name in models:
+            out["speculative"][name], out["speedup"][name] = _speculate(ctx, p, target, models[name], prompts, out)
+    return out
+
+
+def _speculate(
+    ctx: "StageContext", p: "DraftParams", target: Any, draft: Any, prompts: list[list[int]], out: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per temperature and ``k``: the counts of real runs, Leviathan's expected speedup from
+    the measured per-token acceptance and cost ratio, and the wall-clock ratio to the plain
+    target decode (which, at tiny sizes on CPU, per-call overhead dominates)."""
+    from warsha.acceptance import best_window, empirical_acceptance, expected_speedup
+
+    c = out["cost"]["cost_ratio"]
+    runs: dict[str, Any] = {}
+    speed: dict[str, Any] = {}
+    for t in p.spec_temperatures:
+        key = f"t{t:g}"
+        stats = empirical_acceptance(target, draft, prompts, p.spec_ks, t, p.spec_new_tokens, ctx.seed)
+        runs[key] = {str(k): s.as_dict() for k, s in stats.items()}
+        verified = max(sum(s.verified for s in stats.values()), 1)
+        alpha = sum(s.accepted for s in stats.values()) / verified
+        analytic = sum(s.analytic_on_visited * s.verified for s in stats.values()) / verified
+        k_best, s_best = best_window(alpha, c, max(p.spec_ks))
+        speed[key] = {
+            "alpha": alpha,
+            "analytic_on_visited": analytic,
+            "verified": verified,
+            "expected": {str(k): expected_speedup(alpha, k, c) for k in p.spec_ks},
+            "best_k": k_best,
+            "best_expected": s_best,
+            "measured": {str(k): s.as_dict()["tokens_per_s"] / out["plain_tokens_per_s"][key] for k, s in stats.items()},
+        }
+        ctx.tracker.log({f"spec/{key}/alpha": alpha, f"spec/{key}/best_expected": s_best})
+    return runs, speed
+
+
+def write_report(metrics: dict[str, Any], out_dir: Path) -> None:
+    """``acceptance.md`` (tables) and ``acceptance_vs_k.png`` next to the draft."""
+    lines = ["# Draft acceptance", "", "Analytic per-token acceptance, sum min(p, q), teacher-forced on validation text:", "",
+             "| draft | alpha T=0 | alpha T=1 | bits/char (target language) |", "|---|---|---|---|"]
+    for name, acc in metrics["acceptance"].items():
+        lines.append(f"| {name} | {acc['t0']:.3f} | {acc['t1']:.3f} | {metrics['bits_per_char'][name]:.3f} |")
+    lines.append(f"| target | 1 | 1 | {metrics['bits_per_char']['target']:.3f} |")
+    c = metrics["cost"]
+    lines += ["", f"Cost ratio c (draft/target decode step): {c['cost_ratio']:.3f}"
+              f" ({c['draft_ms']:.2f} ms / {c['target_ms']:.2f} ms)", ""]
+    for name, per_t in metrics["speculative"].items():
+        for t, per_k in per_t.items():
+            sp = metrics["speedup"][name][t]
+            lines += [f"## {name}, {t}", "", f"Per-token acceptance over all k: empirical {sp['alpha']:.3f},"
+                      f" analytic on the same contexts {sp['analytic_on_visited']:.3f} ({sp['verified']} positions);"
+                      f" best k {sp['best_k']} (expected speedup {sp['best_expected']:.2f})", "", "| k | acceptance rate | per-token | analytic (visited) |"
+                      " mean accepted length | expected speedup | measured speedup |", "|---|---|---|---|---|---|---|"]
+            for k, s in per_k.items():
+                lines.append(
+                    f"| {k} | {s['acceptance_rate']:.3f} | {s['per_token_acceptance']:.3f} |"
+                    f" {s['analytic_on_visited']:.3f} | {s['mean_accepted_length']:.2f} |"
+                    f" {sp['expected'][k]:.2f} | {sp['measured'][k]:.2f} |"
+                )
+            lines.append("")
+    (out_dir / "acceptance.md").write_text("\n".join(lines) + "\n")
+    _plot(metrics, out_dir / "acceptance_vs_k.png")
+
+
+def _plot(metrics: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, per_t in metrics["speculative"].items():
+        for t, per_k in per_t.items():
+            ks = [int(k) for k in per_k]
+            ax.plot(ks, [per_k[str(k)]["mean_accepted_length"] for k in ks], marker="o", label=f"{name} {t}")
+    ax.set_xlabel("k (draft tokens per round)")
+    ax.set_ylabel("tokens per target forward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -16,7 +16,12 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
-def test_every_shipped_recipe_validates(path: Path) -> None:
+def test_every_shipped_recipe_validates(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = str(yaml.safe_load(path.read_text()).get("base", "bootstrap"))
+    if base != "bootstrap":  # GPU recipes name a local model dir under $WARSHA_MODELS
+        (tmp_path / base.split("/")[-1]).mkdir()
+        (tmp_path / base.split("/")[-1] / "config.json").write_text("{}")
+        monkeypatch.setenv("WARSHA_MODELS", str(tmp_path))
     recipe = load_recipe(path)
     assert recipe.stages, f"{path.name} has no stages"
     assert all(r is not None for r in recipe.resolved)
@@ -132,3 +137,26 @@ def test_environment_variables_expand_in_paths(tmp_path: Path, monkeypatch: pyte
     monkeypatch.delenv("WARSHA_UNSET", raising=False)
     out = expand_env({"base": "${WARSHA_MODELS}/llama", "x": ["${WARSHA_UNSET:-models}/q", "${WARSHA_UNSET}"]})
     assert out == {"base": f"{tmp_path}/llama", "x": ["models/q", "${WARSHA_UNSET}"]}
+
+
+REAL_MODEL_RECIPES = [p for p in RECIPES if p.name != "arabic-tiny.yaml"]
+
+
+@pytest.mark.parametrize("path", REAL_MODEL_RECIPES, ids=[p.name for p in REAL_MODEL_RECIPES])
+def test_real_model_recipes_dry_run(path: Path, tmp_path: Path) -> None:
+    """GPU-cluster recipes resolve and print their plan without loading any weights."""
+    import json
+
+    base = yaml.safe_load(path.read_text())["base"].split("/")[-1]
+    (tmp_path / base).mkdir()
+    (tmp_path / base / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    env = {**__import__("os").environ, "WARSHA_MODELS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--dry-run", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    n = len(yaml.safe_load(path.read_text())["stages"])
+    assert proc.stdout.count("will run") == n
+    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+    missing = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--dry-run"],
+                             capture_output=True, text=True, env={**env, "WARSHA_MODELS": str(tmp_path / "none")})
+    assert missing.returncode == 2 and "base: no such model directory" in missing.stderr

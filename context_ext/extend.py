@@ -1,0 +1,221 @@
+"""The ``context_ext.yarn`` run: check, scale, fine-tune, evaluate every method, write the model.
+
+Order of work, chosen so that a mistake costs seconds and a killed run costs little:
+1. read config.json and resolve the plan (no RoPE, scaled twice, original > target all fail
+   here, before any weights load);
+2. evaluate the unscaled model and each scaling without fine-tuning;
+3. fine-tune the chosen method (resumable; the finished weights are kept in the checkpoint
+   directory), write it as the stage's model, and check the written config by recomputing
+   the frequencies transformers derives from it;
+4. fine-tune the baselines with the same batches and budget, evaluate, write table and plot.
+Each finished evaluation is cached in the checkpoint directory, so a resumed run skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from context_ext import longdata, report, scaling, suite
+from context_ext.passkey import PasskeyFormat, filler_stream
+
+if TYPE_CHECKING:
+    from context_ext.stages import YarnParams
+    from warsha.stage import StageContext
+
+
+@dataclass
+class Plan:
+    """Resolved lengths and configs (everything that can be wrong about the input, checked)."""
+
+    base_cfg: dict[str, Any]
+    factor: float
+    original: int
+    target: int
+    lengths: list[int]
+    short_lengths: list[int]
+    configs: dict[str, dict[str, Any]]
+    skipped: dict[str, str]
+
+
+def resolve(base_cfg: dict[str, Any], p: "YarnParams") -> Plan:
+    """Validate the model config against the params; ``ValueError`` naming field and fix."""
+    state = scaling.read_state(base_cfg)
+    factor, original = scaling.plan(state, p.method, p.factor, p.original_max_position_embeddings, p.compose)
+    target = p.target_length or int(round(original * factor))
+    if original > target:
+        raise ValueError(
+            f"target_length: must be >= the original context {original}, got {target}; raise"
+            " target_length or set original_max_position_embeddings"
+        )
+    yarn_opts = {"beta_fast": p.beta_fast, "beta_slow": p.beta_slow, "attention_factor": p.attention_factor}
+    configs: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    for method in dict.fromkeys([p.method, *p.baselines, *p.finetune_baselines]):
+        try:
+            configs[method] = suite.variant_config(
+                base_cfg, method, p.factor, p.original_max_position_embeddings, p.compose,
+                p.ntk_dynamic, yarn_opts,
+            )
+        except ValueError as exc:
+            if method == p.method:
+                raise
+            skipped[method] = str(exc)
+    lengths = [int(round(original * m)) for m in p.eval_multiples]
+    short = [int(round(original * m)) for m in p.short_multiples]
+    return Plan(base_cfg, factor, original, target, lengths, short, configs, skipped)
+
+
+def _cached(path: Path, compute: Any) -> dict[str, Any]:
+    if path.is_file():
+        return json.loads(path.read_text())
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value))
+    return value
+
+
+def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int) -> suite.EvalData:
+    """Held-out filler and perplexity documents (validation + test splits only)."""
+    texts = longdata.heldout_texts(corpus, lang)
+    half = len(texts) // 2
+    filler = filler_stream(tokenizer, texts[:half] or texts)
+    ppl = longdata.long_documents(tokenizer, texts[half:] or texts, n_docs, 2 * max(plan.lengths))
+    return suite.EvalData(PasskeyFormat(tokenizer), filler, ppl)
+
+
+def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batches: Any) -> tuple[Any, dict[str, Any]]:
+    """Fine-tune ``method``'s scaled model; reuse the finished weights of an earlier run."""
+    import torch
+
+    from warsha.training import Trainer, TrainParams
+
+    done = ctx.checkpoint_dir / f"final-{method}"
+    if (done / "summary.json").is_file():
+        model = suite.load_variant(done, plan.configs[method], "float32")
+        return model, json.loads((done / "summary.json").read_text())
+    model = suite.load_variant(ctx.model_dir, plan.configs[method], "float32").train()
+    tp = TrainParams(steps=p.steps, batch_size=p.batch_size, seq_len=plan.target, lr=p.lr,
+                     warmup_steps=p.warmup_steps, grad_accum=p.grad_accum,
+                     checkpoint_every=p.checkpoint_every, bf16=p.bf16)
+    torch.manual_seed(ctx.seed)
+    trainer = Trainer(model, tp, ctx, batches, loss_fn=longdata.weighted_lm_loss, name=f"finetune-{method}")
+    t0 = time.perf_counter()
+    result = trainer.run()
+    summary = {**result.summary(), "train_time_s": time.perf_counter() - t0}
+    model = trainer.model.eval()
+    if ctx.is_main:
+        model.save_pretrained(done)
+        (done / "summary.json").write_text(json.dumps(summary))
+    return model, summary
+
+
+def save_output(ctx: "StageContext", model: Any, tokenizer: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Write the HF directory with the scaling in config.json; return the loader self-check."""
+    out = ctx.out_dir
+    model.generation_config.max_length = scaling.serving_length(cfg)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    written = json.loads((out / "config.json").read_text())
+    for key in ("rope_parameters", "max_position_embeddings", scaling.RECORD_KEY):
+        written[key] = cfg[key]
+    for key in ("rope_scaling", "rope_theta"):
+        written.pop(key, None)
+    scaling.write_model_dir_config(out, written)
+    return check_written(out)
+
+
+def check_written(model_dir: Path) -> dict[str, Any]:
+    """Recompute the RoPE that transformers derives from the written config and compare."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    ours, our_scale = scaling.inv_freq_of(cfg)
+    hf_cfg = AutoConfig.from_pretrained(model_dir)
+    kind = hf_cfg.rope_parameters["rope_type"]
+    if kind == "default":
+        dim = ours.numel() * 2
+        ref = 1.0 / hf_cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        ref_scale = 1.0
+    else:
+        ref, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+    diff = float((ours - ref.to(torch.float64)).abs().max())
+    if diff > 1e-5 or abs(our_scale - ref_scale) > 1e-6:
+        raise RuntimeError(f"{model_dir}/config.json: transformers derives different RoPE (max diff {diff})")
+    return {"inv_freq_max_abs_diff": diff, "attention_scaling": float(ref_scale), "rope_type": kind,
+            "max_position_embeddings": hf_cfg.max_position_embeddings,
+            "context_length": scaling.serving_length(cfg)}
+
+
+def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
+    """Entry point of ``context_ext.yarn`` (see the module docstring for the order of work)."""
+    from transformers import AutoTokenizer
+
+    plan = resolve(json.loads((ctx.model_dir / "config.json").read_text()), p)
+    tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
+    corpus = ctx.corpus()
+    lang = p.lang or corpus.config.target_lang
+    data = eval_data(tokenizer, corpus, lang, plan, p.ppl_documents)
+    settings = suite.EvalSettings(plan.lengths, plan.short_lengths, list(p.depths), p.min_trials,
+                                  p.max_trials, p.ci_half_width, p.eval_batch_tokens, ctx.seed)
+    cache = ctx.checkpoint_dir / "eval"
+    results: dict[str, dict[str, Any]] = {}
+    for method in p.baselines:
+        if method in plan.configs:
+            name = suite.label(method, False)
+            ctx.log.info("context_ext: evaluating %s", name)
+            results[name] = _cached(cache / f"{name}.json", lambda m=method, n=name: suite.evaluate(
+                suite.load_variant(ctx.model_dir, plan.configs[m], p.eval_dtype), tokenizer, data, settings, n))
+    batches = longdata.make_batches(tokenizer, corpus, lang, plan.target, p.batch_size, p.retrieval_fraction,
+                                    ctx.seed, avoid_depths=p.depths, answer_weight=p.answer_weight)
+    train: dict[str, Any] = {}
+    check: dict[str, Any] = {}
+    for method in [p.method, *[m for m in p.finetune_baselines if m in plan.configs]]:
+        name = suite.label(method, True)
+        model, train[name] = finetune(ctx, p, plan, method, batches)
+        if method == p.method and ctx.is_main:
+            check = save_output(ctx, model, tokenizer, plan.configs[method])
+        ctx.log.info("context_ext: evaluating %s", name)
+        results[name] = _cached(cache / f"{name}.json", lambda m=model, n=name: suite.evaluate(
+            m.to(_dtype(p.eval_dtype)), tokenizer, data, settings, n))
+        del model
+    return summarise(ctx, p, plan, results, train, check)
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def summarise(ctx: "StageContext", p: "YarnParams", plan: Plan, results: dict[str, Any],
+              train: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
+    """Metrics dict, markdown table and plot (the latter two written into the output dir)."""
+    short = suite.short_context_ratios(results, plan.short_lengths) if "none" in results else {}
+    if ctx.is_main:
+        md = report.table(results, plan.lengths, short, plan.original)
+        (ctx.out_dir / "context_ext.md").write_text(f"# Context extension ({p.method}, factor {plan.factor:g})\n\n{md}")
+        report.plot(results, plan.lengths, plan.original, ctx.out_dir / "context_ext.png")
+    main = suite.label(p.method, True)
+    headline = {f"passkey_{n / plan.original:g}x": results[main]["passkey"][str(n)]["accuracy"] for n in plan.lengths}
+    return {
+        "method": p.method,
+        "factor": plan.factor,
+        "original_max_position_embeddings": plan.original,
+        "context_length": int(round(plan.original * plan.factor)),
+        "target_length": plan.target,
+        "lengths": plan.lengths,
+        "short_lengths": plan.short_lengths,
+        main: headline,
+        "short_context_ratio": short,
+        "results": results,
+        "train": train,
+        "written_config": check,
+        "skipped_baselines": plan.skipped,
+        "peak_rss_gb": suite.peak_rss_gb(),
+    }

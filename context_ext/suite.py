@@ -1,0 +1,104 @@
+"""The long/short-context evaluation every method gets, shared by the stage and the benchmark.
+
+One model is scored on: passkey retrieval and sliding-window perplexity at each length
+(1x..8x the original context), and perplexity at or below the original length, which the
+report divides by the unscaled model's (the short-context regression that static scaling
+tends to cause silently).
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from context_ext import passkey, scaling
+
+# Report labels: the method and whether it was fine-tuned.
+LABELS = {"none": "none", "linear": "PI", "ntk": "NTK", "yarn": "YaRN"}
+
+
+def label(method: str, finetuned: bool) -> str:
+    """``YaRN+ft``-style label used in tables, plots and metric keys."""
+    return LABELS[method] + ("+ft" if finetuned else "")
+
+
+@dataclass
+class EvalSettings:
+    """What is measured and how precisely (the stage's eval params map onto this)."""
+
+    lengths: list[int]
+    short_lengths: list[int]
+    depths: list[float] = field(default_factory=lambda: list(passkey.EVAL_DEPTHS))
+    min_trials: int = 40
+    max_trials: int = 400
+    half_width: float = 0.05
+    batch_tokens: int = 4096
+    seed: int = 0
+
+    def batch_for(self, length: int) -> int:
+        """Sequences per forward pass at ``length`` (bounds activation memory at 8x)."""
+        return max(1, self.batch_tokens // length)
+
+
+@dataclass
+class EvalData:
+    """Held-out material: passkey filler tokens and long perplexity documents."""
+
+    fmt: passkey.PasskeyFormat
+    filler: list[int]
+    ppl_texts: list[str]
+
+
+def variant_config(base_cfg: dict[str, Any], method: str, factor: float, original: int | None,
+                   compose: bool = False, ntk_dynamic: bool = False,
+                   yarn_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config dict a method writes (``none`` leaves the base config as it is)."""
+    if method == "none":
+        return dict(base_cfg)
+    return scaling.scaled_config(base_cfg, method, factor, original, compose, ntk_dynamic, yarn_options)  # type: ignore[arg-type]
+
+
+def load_variant(model_dir: Path, cfg: dict[str, Any], dtype: str = "bfloat16") -> Any:
+    """Load the weights of ``model_dir`` under config ``cfg`` (RoPE is built from the config)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    body = {k: v for k, v in cfg.items() if k != "model_type"}
+    config = AutoConfig.for_model(cfg["model_type"], **body)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def evaluate(model: Any, tokenizer: Any, data: EvalData, s: EvalSettings, desc: str = "") -> dict[str, Any]:
+    """Passkey cells and perplexities for one model: the per-method block of the metrics."""
+    from warsha.evaluate import likelihood
+
+    out: dict[str, Any] = {"passkey": {}, "perplexity": {}}
+    for length in s.lengths:
+        cell = passkey.evaluate_length(
+            model, data.fmt, data.filler, length, s.depths, s.min_trials, s.max_trials,
+            s.half_width, s.batch_for(length), s.seed,
+        )
+        out["passkey"][str(length)] = cell.as_dict()
+    for length in sorted(set(s.lengths) | set(s.short_lengths)):
+        lk = likelihood(model, tokenizer, data.ppl_texts, length, batch_size=s.batch_for(length),
+                        desc=f"{desc} ppl@{length}")
+        out["perplexity"][str(length)] = lk.perplexity
+    out["peak_rss_gb"] = peak_rss_gb()
+    return out
+
+
+def short_context_ratios(results: dict[str, dict[str, Any]], short_lengths: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Each method's perplexity at short lengths divided by the unscaled model's (1.03 = +3%)."""
+    ref = results["none"]["perplexity"]
+    return {
+        name: {str(n): r["perplexity"][str(n)] / ref[str(n)] for n in short_lengths}
+        for name, r in results.items()
+    }

@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(VENV)/bin/warsha run recipes/arabic-tiny.yaml
+	$(VENV)/bin/warsha report runs/arabic-tiny
 
 test: setup
 	$(PY) -m pytest -q

@@ -56,8 +56,48 @@ def plot_bootstrap(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
     return [(title, _save(fig, out / f"{name}-bpc.png"), "")]
 
 
+def plot_fertility(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
+    """Tokens per word before and after the vocabulary extension, per language."""
+    fert = _get(m.get("metrics", {}), "fertility") or {}
+    langs = [k for k, v in fert.items() if isinstance(v, dict) and "before" in v and "after" in v]
+    title = "Fertility (tokens per word) before and after extension"
+    if not langs:
+        return [(title, None, "no fertility before/after in the manifest")]
+    fig, ax = _figure()
+    xs = range(len(langs))
+    ax.bar([x - 0.2 for x in xs], [fert[lang]["before"]["tokens_per_word"] for lang in langs], 0.4, label="base")
+    ax.bar([x + 0.2 for x in xs], [fert[lang]["after"]["tokens_per_word"] for lang in langs], 0.4, label="extended")
+    ax.set_xticks(list(xs), langs)
+    ax.set_ylabel("tokens per word (held-out)")
+    ax.legend()
+    return [(title, _save(fig, out / f"{name}-fertility.png"), "")]
+
+
+def plot_quantization(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
+    """Relative perplexity increase of the method and of RTN, per language."""
+    metrics = m.get("metrics", {})
+    ours, rtn = metrics.get("perplexity_increase_rel") or {}, metrics.get("rtn_perplexity_increase_rel") or {}
+    title = f"Perplexity increase: {metrics.get('method', m.get('stage'))} vs RTN"
+    langs = sorted(ours)
+    if not langs:
+        return [(title, None, "no perplexity_increase_rel in the manifest")]
+    fig, ax = _figure()
+    xs = range(len(langs))
+    ax.bar([x - 0.2 for x in xs], [100 * ours[lang] for lang in langs], 0.4, label=str(metrics.get("method", "method")))
+    ax.bar([x + 0.2 for x in xs], [100 * rtn.get(lang, 0.0) for lang in langs], 0.4, label="RTN")
+    ax.set_xticks(list(xs), langs)
+    ax.set_ylabel("perplexity increase (%)")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.legend()
+    return [(title, _save(fig, out / f"{name}-quant.png"), "")]
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path, str], list[PlotResult]]] = {
     "bootstrap": plot_bootstrap,
+    "tokenizer_ext.extend": plot_fertility,
+    "quantize.awq": plot_quantization,
+    "quantize.gptq": plot_quantization,
+    "quantize.rtn": plot_quantization,
 }
 
 

@@ -168,6 +168,8 @@ def load_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
     for p in pairs:
         docs.setdefault(cfg.target_lang, []).append((p.id, p.target))
         docs.setdefault(cfg.source_lang, []).append((p.id, p.source))
+    docs = {lang: _unique_texts(items) for lang, items in docs.items()}
+    pairs = _unique_pairs(pairs)
     if cfg.max_documents:
         docs = {k: v[: cfg.max_documents] for k, v in docs.items()}
         pairs = pairs[: cfg.max_documents]
@@ -179,6 +181,35 @@ def load_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
             f" lang: {cfg.target_lang} or use source: hadith"
         )
     return corpus
+
+
+def _unique_texts(items: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Keep the first document of each normalised text.
+
+    Why: ids decide splits, and the hadith collections repeat some texts under different ids
+    (short narrations, "similar to the above" translations). Without this, a held-out text can
+    also sit in training and flatter every held-out metric.
+    """
+    seen: set[str] = set()
+    kept = []
+    for doc_id, text in items:
+        if text not in seen:
+            seen.add(text)
+            kept.append((doc_id, text))
+    return kept
+
+
+def _unique_pairs(pairs: list[Pair]) -> list[Pair]:
+    """Keep a pair only if neither side repeats an earlier pair's text (see `_unique_texts`)."""
+    seen_target: set[str] = set()
+    seen_source: set[str] = set()
+    kept = []
+    for p in pairs:
+        if p.target not in seen_target and p.source not in seen_source:
+            kept.append(p)
+        seen_target.add(p.target)
+        seen_source.add(p.source)
+    return kept
 
 
 def _hadith_pairs(cfg: DataConfig) -> list[Pair]:

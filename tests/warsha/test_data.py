@@ -53,3 +53,25 @@ def test_corpus_without_target_language_text(tmp_path: Path) -> None:
     cfg = DataConfig(source="files", files=[FileSpec(str(txt), "ar")])
     with pytest.raises(ValueError, match="holds no 'ar' text"):
         load_corpus(cfg)
+
+
+def test_repeated_texts_are_kept_once_so_no_held_out_text_is_trained_on(tmp_path: Path) -> None:
+    jsonl = tmp_path / "pairs.jsonl"
+    rows = [{"ar": f"نص رقم {i}", "en": f"text number {i}"} for i in range(200)]
+    rows += [{"ar": f"نص رقم {i}", "en": f"another translation {i}"} for i in range(200)]
+    rows += [{"ar": f"نص آخر {i}", "en": "Similar to the above."} for i in range(3)]
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    corpus = load_corpus(DataConfig(source="files", files=[FileSpec(str(jsonl), "ar")]))
+    assert len(corpus.pairs) == 201
+    for lang in ("ar", "en"):
+        texts = [t for _, t in corpus.docs[lang]]
+        assert len(texts) == len(set(texts))
+        train = set(corpus.texts(lang, "train"))
+        assert not train & (set(corpus.texts(lang, "test")) | set(corpus.texts(lang, "validation")))
+
+
+def test_bundled_corpus_has_no_text_in_two_splits() -> None:
+    corpus = load_corpus(DataConfig())
+    for lang in ("ar", "en"):
+        held_out = set(corpus.texts(lang, "test")) | set(corpus.texts(lang, "validation"))
+        assert held_out and not held_out & set(corpus.texts(lang, "train"))

@@ -93,10 +93,13 @@ def adapt_one(ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Pat
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
         return {"input_ids": random_windows(stream, t.batch_size, t.seq_len, ctx.seed, step, micro, rank)}
 
-    model, result, extra = _train(ctx, p, weights, new_ids, name, batch_fn, out)
+    def eval_fn(model: Any) -> dict[str, float]:
+        return quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length, set_eval=False)
+
+    model, result, extra = _train(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn)
     step = max(1, len(result.losses) // 50)
     metrics: dict[str, Any] = {**result.summary(), **extra, "stream_tokens": int(len(stream)),
-                               "loss_curve": result.losses[::step]}
+                               "loss_curve": result.losses[::step], "bits_per_char_curve": result.evals}
     if model is None:
         return metrics
     metrics["bits_per_char"] = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length)
@@ -111,10 +114,14 @@ def adapt_one(ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Pat
 
 
 def _train(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[int], name: str,
-           batch_fn: Any, out: Path | None) -> tuple[Any, Any, dict[str, Any]]:
-    """Dispatch on the mode; returns (plain model on rank 0 or None, TrainResult, info)."""
+           batch_fn: Any, out: Path | None, eval_fn: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """Dispatch on the mode; returns (plain model on rank 0 or None, TrainResult, info).
+
+    ``eval_fn`` gives the held-out curve when ``train.eval_every`` is set (not under DeepSpeed,
+    whose partitioned parameters cannot be evaluated on one rank).
+    """
     if p.mode == "qlora":
-        return _train_qlora(ctx, p, weights, new_ids, name, batch_fn, out)
+        return _train_qlora(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -132,7 +139,8 @@ def _train(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[i
         return _from_state(weights, state), result, info
     from warsha.training import Trainer
 
-    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", parameters=trainable)
+    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", parameters=trainable,
+                      eval_fn=eval_fn)
     result = trainer.run()
     return (trainer.model.float() if ctx.is_main else None), result, info
 
@@ -152,7 +160,7 @@ def _from_state(weights: Path, state: dict[str, Any]) -> Any:
 
 
 def _train_qlora(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[int], name: str,
-                 batch_fn: Any, out: Path | None) -> tuple[Any, Any, dict[str, Any]]:
+                 batch_fn: Any, out: Path | None, eval_fn: Any) -> tuple[Any, Any, dict[str, Any]]:
     from transformers import AutoConfig
 
     from warsha.training import Trainer
@@ -163,7 +171,7 @@ def _train_qlora(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: 
     model = qlora.load(weights, new_ids, tied, p.lora_r, p.lora_alpha, p.lora_dropout, p.double_quant,
                        p.full_embeddings)
     trainable, total = qlora.trainable_count(model)
-    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}")
+    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", eval_fn=eval_fn)
     result = trainer.run()
     info = {"trainable_params": trainable, "total_params": total, "trainable_new_rows": len(new_ids)}
     if not ctx.is_main:

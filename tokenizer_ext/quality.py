@@ -14,9 +14,14 @@ from warsha.evaluate import likelihood
 SPLIT = "validation"
 
 
-def bits_per_char(model: Any, tok: Any, corpus: Any, docs: int, max_length: int) -> dict[str, float]:
-    """Bits per character on the first ``docs`` held-out documents of each language."""
-    model.eval()
+def bits_per_char(model: Any, tok: Any, corpus: Any, docs: int, max_length: int,
+                  set_eval: bool = True) -> dict[str, float]:
+    """Bits per character on the first ``docs`` held-out documents of each language.
+
+    ``set_eval=False`` leaves module modes to the caller (the Trainer sets them mid-run).
+    """
+    if set_eval:
+        model.eval()
     cfg = corpus.config
     out = {}
     for lang in (cfg.target_lang, cfg.source_lang):

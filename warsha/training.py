@@ -44,6 +44,8 @@ class TrainParams:
     max_grad_norm: float = field(default=1.0, metadata=check(gt(0.0)))
     checkpoint_every: int = field(default=50, metadata=check(ge(1), help="steps between checkpoints"))
     log_every: int = field(default=10, metadata=check(ge(1)))
+    eval_every: int = field(
+        default=0, metadata=check(ge(0), help="held-out evaluation every N steps and at step 0, for curves (0: off)"))
     bf16: bool = field(default=True, metadata=check(help="bf16 autocast (faster on CPU and GPU)"))
 
 
@@ -56,6 +58,7 @@ class TrainResult:
     seconds: float
     resumed_from: int
     world_size: int = 1
+    evals: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -168,6 +171,17 @@ def causal_lm_loss(model: Any, batch: Batch) -> "torch.Tensor":
     return model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
 
 
+def _keeps_train_mode(module: Any) -> bool:
+    """Whether a module must stay in training mode while the Trainer evaluates mid-run.
+
+    bitsandbytes' ``Linear4bit`` repacks its weight into a CPU inference layout on its first
+    eval-mode forward and never packs it back; every later training step then gets zero
+    gradients through it (seen with bitsandbytes 0.50.2: QLoRA stopped learning after one
+    evaluation). Left in training mode it computes the same outputs, as it has no dropout.
+    """
+    return type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4")
+
+
 @dataclass
 class Trainer:
     """Runs ``p.steps`` optimizer steps of ``model`` on batches from ``batch_fn``.
@@ -185,6 +199,7 @@ class Trainer:
     accelerator: Any = None
     name: str = "train"
     parameters: list[Any] | None = None
+    eval_fn: Callable[[Any], dict[str, float]] | None = None
 
     def run(self) -> TrainResult:
         """Train, checkpointing every ``checkpoint_every`` steps; resume if a checkpoint exists."""
@@ -195,7 +210,9 @@ class Trainer:
         params = self.parameters or [q for q in self.model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.p.lr, weight_decay=self.p.weight_decay)
         model, opt = acc.prepare(self.model, opt)
-        start = self._resume(acc)
+        start, self._evals = self._resume(acc), self._saved_evals()
+        if start == 0:
+            self._evaluate(acc, 0)
         losses: list[float] = []
         tokens, t0 = 0, time.perf_counter()
         bar = tqdm(range(start, self.p.steps), initial=start, total=self.p.steps, desc=self.name,
@@ -205,6 +222,8 @@ class Trainer:
             losses.append(loss)
             tokens += n_tok * acc.num_processes
             self._report(bar, step, loss, tokens / max(time.perf_counter() - t0, 1e-9))
+            if self.p.eval_every and ((step + 1) % self.p.eval_every == 0 or step + 1 == self.p.steps):
+                self._evaluate(acc, step + 1)
             if (step + 1) % self.p.checkpoint_every == 0 and step + 1 < self.p.steps:
                 self._checkpoint(acc, step + 1)
         acc.wait_for_everyone()
@@ -212,7 +231,27 @@ class Trainer:
         # and every later evaluation silently runs in bf16.
         self.model = acc.unwrap_model(model, keep_fp32_wrapper=False)
         check_ranks_in_sync(acc, self.model, self.name)
-        return TrainResult(losses, tokens, time.perf_counter() - t0, start, acc.num_processes)
+        return TrainResult(losses, tokens, time.perf_counter() - t0, start, acc.num_processes, self._evals)
+
+    def _evaluate(self, acc: Any, step: int) -> None:
+        """Held-out metrics at ``step`` on rank 0 (``eval_fn`` must not use collectives).
+
+        Why inside the loop: a curve of held-out quality against steps is what shows whether a
+        budget was enough; the final number alone cannot.
+        """
+        if self.eval_fn is None or not self.p.eval_every or not acc.is_main_process:
+            return
+        import torch
+
+        modes = {m: m.training for m in self.model.modules()}
+        for module in self.model.modules():
+            module.training = _keeps_train_mode(module)
+        with torch.no_grad():
+            result = {k: float(v) for k, v in self.eval_fn(self.model).items()}
+        for module, mode in modes.items():
+            module.training = mode
+        self._evals.append({"step": step, **result})
+        self.ctx.tracker.log({f"{self.name}/eval/{k}": v for k, v in result.items()}, step)
 
     def _step(self, acc: Any, model: Any, opt: Any, step: int) -> tuple[float, int]:
         # The learning rate is a pure function of the step: nothing to save or restore.
@@ -253,7 +292,7 @@ class Trainer:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()
         if acc.is_main_process:
-            (tmp / "warsha_step.json").write_text(json.dumps({"step": step}))
+            (tmp / "warsha_step.json").write_text(json.dumps({"step": step, "evals": self._evals}))
             tmp.rename(root / f"step-{step}")
             for old in root.glob("step-*"):
                 if old.name != f"step-{step}":
@@ -261,11 +300,19 @@ class Trainer:
             log.info("%s: checkpoint at step %d", self.name, step)
         acc.wait_for_everyone()
 
-    def _resume(self, acc: Any) -> int:
+    def _latest(self) -> Path | None:
         done = [d for d in self._ckpt_root().glob("step-*") if (d / "warsha_step.json").is_file()]
-        if not done:
+        return max(done, key=lambda d: json.loads((d / "warsha_step.json").read_text())["step"], default=None)
+
+    def _saved_evals(self) -> list[dict[str, float]]:
+        """Evaluations made before the checkpoint a resumed run starts from."""
+        latest = self._latest()
+        return json.loads((latest / "warsha_step.json").read_text()).get("evals", []) if latest else []
+
+    def _resume(self, acc: Any) -> int:
+        latest = self._latest()
+        if latest is None:
             return 0
-        latest = max(done, key=lambda d: json.loads((d / "warsha_step.json").read_text())["step"])
         acc.load_state(str(latest))
         step = json.loads((latest / "warsha_step.json").read_text())["step"]
         log.info("%s: resumed from checkpoint at step %d", self.name, step)

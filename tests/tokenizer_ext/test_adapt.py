@@ -26,9 +26,11 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
     from transformers import AutoTokenizer
 
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
-    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1}), compare_base=False, eval_docs=1, eval_max_length=32,
-                    gen_tokens=0, train_docs=20)
+    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1, "eval_every": 1}), compare_base=False, eval_docs=1,
+                    eval_max_length=32, gen_tokens=0, train_docs=20)
     m = adapt.run(ctx, p)
+    curve = m["extended"]["bits_per_char_curve"]
+    assert [c["step"] for c in curve] == [0, 1] and all(c["ar"] > 0 and c["en"] > 0 for c in curve)
     assert (ctx.out_dir / "adapter" / "adapter_config.json").is_file()
     tok = AutoTokenizer.from_pretrained(ctx.out_dir)
     n_new = len(tok) - 32000

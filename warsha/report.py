@@ -51,6 +51,17 @@ def lineage(artifacts: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def run_plots(artifacts: list[tuple[Path, dict[str, Any]]], plots_dir: Path, run_dir: Path) -> list[str]:
+    """Plots that compare several stages of the run (e.g. every quantization method)."""
+    from warsha.report_plots import plot_quant_summary
+
+    lines = []
+    for title, png, note in plot_quant_summary([(d.name, m) for d, m in artifacts], plots_dir):
+        if png is not None or any(m.get("stage", "").startswith("quantize.") for _, m in artifacts):
+            lines += [f"## {title}", "", f"![{title}]({png.relative_to(run_dir)})" if png else f"_{note}_", ""]
+    return lines
+
+
 def write_report(run_dir: Path) -> Path:
     """Write ``report.md`` and its plots into ``run_dir``; return the report's path."""
     from warsha.report_plots import draw_plots
@@ -63,6 +74,7 @@ def write_report(run_dir: Path) -> Path:
     lines = [f"# Warsha run: {artifacts[0][1].get('recipe', run_dir.name)}", "",
              "Every figure below is read from the artifacts' `warsha.json` manifests.", "",
              "## Lineage", "", *lineage(artifacts), ""]
+    lines += run_plots(artifacts, plots_dir, run_dir)
     for d, m in artifacts:
         lines += [f"## {m['stage']} (`{d.name}`)", "",
                   f"wall time {m.get('wall_time_s', 0):.1f} s, created {m.get('created')}, "

@@ -92,8 +92,52 @@ def plot_quantization(m: dict[str, Any], out: Path, name: str) -> list[PlotResul
     return [(title, _save(fig, out / f"{name}-quant.png"), "")]
 
 
+def plot_adaptation(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
+    """Held-out bits per character against training step, extended model and base control."""
+    metrics = m.get("metrics", {})
+    runs = {label: _get(metrics, key, "bits_per_char_curve") for key, label in
+            (("extended", "extended"), ("base_same_budget", "base, same budget"))}
+    runs = {k: v for k, v in runs.items() if v}
+    title = "Adaptation: held-out bits per character during training"
+    if not runs:
+        return [(title, None, "no bits_per_char_curve in the manifest (set train.eval_every)")]
+    fig, ax = _figure()
+    for label, curve in runs.items():
+        for lang, style in (("ar", "-"), ("en", "--")):
+            pts = [(c["step"], c[lang]) for c in curve if lang in c]
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", markersize=3, label=f"{label} ({lang})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per character (held-out)")
+    ax.legend(fontsize=8)
+    return [(title, _save(fig, out / f"{name}-bpc-curve.png"), "")]
+
+
+def plot_latency(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
+    """Per-request TTFT and TPOT, with and without the draft, at each batch size."""
+    metrics = m.get("metrics", {})
+    batches = sorted((k for k in metrics if k.startswith("batch") and isinstance(metrics[k], dict)),
+                     key=lambda k: int(k[5:]))
+    results = []
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
+        series = {f"{b[5:]} {mode}": metrics[b][mode][key] for b in batches for mode in ("plain", "speculative")
+                  if _get(metrics, b, mode, key)}
+        title = f"{label} per request (batch size, engine)"
+        if not series:
+            results.append((title, None, f"no per-request {key} in the manifest"))
+            continue
+        fig, ax = _figure()
+        ax.boxplot([[1000 * v for v in vals] for vals in series.values()], showmeans=True)
+        ax.set_xticks(range(1, len(series) + 1), list(series), fontsize=8)
+        ax.set_ylabel(f"{label} (ms)")
+        results.append((title, _save(fig, out / f"{name}-{label.lower()}.png"), ""))
+    return results
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path, str], list[PlotResult]]] = {
     "bootstrap": plot_bootstrap,
+    "tokenizer_ext.adapt": plot_adaptation,
+    "serve.validate": plot_latency,
     "tokenizer_ext.extend": plot_fertility,
     "quantize.awq": plot_quantization,
     "quantize.gptq": plot_quantization,
@@ -105,3 +149,38 @@ def draw_plots(manifest: dict[str, Any], out: Path, name: str) -> list[PlotResul
     """Every plot registered for the manifest's stage (none for stages without plots)."""
     fn = PLOTS.get(manifest.get("stage", ""))
     return fn(manifest, out, name) if fn else []
+
+
+def plot_quant_summary(manifests: list[tuple[str, dict[str, Any]]], out: Path) -> list[PlotResult]:
+    """Perplexity per language and size on disk for every quantization method in the run.
+
+    A run-level plot: each quantize stage records its own method, RTN and the unquantized
+    model on the same text, so methods are compared on one axis.
+    """
+    rows: dict[str, tuple[dict[str, float], float | None]] = {}
+    for name, m in manifests:
+        metrics = m.get("metrics", {})
+        if not m.get("stage", "").startswith("quantize.") or "quantized" not in metrics:
+            continue
+        ppl = lambda key: {lang: v["perplexity"] for lang, v in (metrics.get(key) or {}).items()}  # noqa: E731
+        rows.setdefault("unquantized", (ppl("unquantized"), metrics.get("input_size_bytes")))
+        rows.setdefault("rtn", (ppl("rtn"), None))
+        method = str(metrics.get("method", name))
+        rows[method if method == name else f"{method} ({name})"] = (ppl("quantized"), metrics.get("size_bytes"))
+    title = "Quantization: perplexity per language and size on disk, per method"
+    if len(rows) < 3:
+        return [(title, None, "no quantize stage with quantized/rtn/unquantized perplexity in this run")]
+    import matplotlib.pyplot as plt
+
+    langs = sorted({lang for ppl, _ in rows.values() for lang in ppl})
+    fig, (ax, ax_size) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110)
+    width = 0.8 / len(rows)
+    for i, (label, (ppl, _)) in enumerate(rows.items()):
+        ax.bar([x + i * width for x in range(len(langs))], [ppl.get(lang, 0.0) for lang in langs], width, label=label)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(langs))], langs)
+    ax.set_ylabel("perplexity (held-out)")
+    ax.legend(fontsize=7)
+    sized = [(label, size / 2**20) for label, (_, size) in rows.items() if size]
+    ax_size.barh([label for label, _ in sized], [mb for _, mb in sized])
+    ax_size.set_xlabel("size on disk (MiB)")
+    return [(title, _save(fig, out / "quantization-summary.png"), "")]

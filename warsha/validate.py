@@ -60,6 +60,8 @@ def run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     stats = engine.stats.summary()
+    stats["ttft_s"] = list(engine.stats.ttft)  # per request, for the report's distributions
+    stats["tpot_s"] = list(engine.stats.tpot)
     stats["wall_s"] = wall
     stats["output_tokens_per_s"] = sum(len(o.token_ids) for o in outs) / wall
     return [o.token_ids for o in outs], stats

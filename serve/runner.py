@@ -17,7 +17,7 @@ from serve.model import ForwardBatch, LlamaModel
 from serve.sampler import SamplingParams, draw, exponential_noise, param_tensors, process_logits
 from serve.scheduler import ScheduledBatch
 from serve.sequence import Sequence
-from serve.spec_decode import RejectionResult, rejection_sample
+from serve.spec_decode import RejectionResult, greedy_verify, rejection_sample
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Proposal:
 
     rows: list[int]
     tokens: torch.Tensor  # [S, kmax] (padding 0)
-    probs: torch.Tensor  # [S, kmax, V] (padding 0)
+    probs: torch.Tensor | None  # [S, kmax, V] (padding 0); None when every speculating row is greedy
     counts: torch.Tensor  # [S] real drafts per row
 
 
@@ -116,6 +116,8 @@ class ModelRunner:
         kmax = int(counts.max())
         params = [s.params for s in seqs]
         gens = [generators.get(s.request_id) for s in seqs]
+        if all(p.greedy for p in params):
+            return self._propose_greedy(seqs, rows, logits, counts)
         tokens = torch.zeros(len(rows), kmax, dtype=torch.long)
         probs = torch.zeros(len(rows), kmax, logits.shape[-1])
         tokens[:, 0], probs[:, 0] = self._draft_sample(logits, params, gens)
@@ -132,6 +134,20 @@ class ModelRunner:
             t, p = self._draft_sample(step_logits, [params[r] for r in live], [gens[r] for r in live])
             tokens[live, j], probs[live, j] = t, p
         return Proposal(rows=rows, tokens=tokens, probs=probs, counts=counts)
+
+    def _propose_greedy(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, counts: torch.Tensor) -> Proposal:
+        """Argmax drafts without distributions: for greedy rows q is one-hot, so verification
+        needs only the tokens, and the [S, k, V] probabilities and noise are never built."""
+        kmax = int(counts.max())
+        tokens = torch.zeros(len(rows), kmax, dtype=torch.long)
+        tokens[:, 0] = logits.argmax(-1)
+        for j in range(1, kmax):
+            live = [r for r in range(len(rows)) if counts[r] > j]
+            fb = build_forward([seqs[r] for r in live], [seqs[r].num_tokens + j - 1 for r in live],
+                               [[int(tokens[r, j - 1])] for r in live], [[0] for _ in live])
+            tokens[live, j] = self.draft.forward(fb, self.draft_kv).argmax(-1)
+            self.num_draft_forwards += 1
+        return Proposal(rows=rows, tokens=tokens, probs=None, counts=counts)
 
     # ----------------------------------------------------------------- target
     def score(self, batch: ScheduledBatch, proposal: Proposal | None) -> TargetOutput:
@@ -177,6 +193,8 @@ class ModelRunner:
 
     def verify(self, proposal: Proposal, spec_logits: list[torch.Tensor], seqs: list[Sequence], generators: dict[str, torch.Generator]) -> RejectionResult:
         """Rejection-sample every speculator's drafts against the target's distributions."""
+        if proposal.probs is None:
+            return greedy_verify(proposal.tokens, [block.argmax(-1) for block in spec_logits], proposal.counts)
         kmax = proposal.tokens.shape[1]
         vocab = spec_logits[0].shape[-1]
         target = torch.zeros(len(seqs), kmax + 1, vocab)

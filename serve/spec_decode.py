@@ -66,6 +66,27 @@ def rejection_sample(
     return RejectionResult(tokens=out, num_accepted=num_accepted)
 
 
+def greedy_verify(draft_tokens: torch.Tensor, target_argmax: list[torch.Tensor], num_draft: torch.Tensor) -> RejectionResult:
+    """`rejection_sample` for rows where both p and q are one-hot (temperature 0), without them.
+
+    Accept drafts while they equal the target's argmax; then emit the target's argmax at the
+    first mismatch (the residual max(0, p - q) is p's one-hot) or as the bonus token. Row i's
+    `target_argmax[i]` holds num_draft[i] + 1 positions.
+    """
+    batch, k = draft_tokens.shape
+    out = torch.full((batch, k + 1), -1, dtype=torch.long)
+    accepted = torch.zeros(batch, dtype=torch.long)
+    for row in range(batch):
+        n = int(num_draft[row])
+        best = target_argmax[row][: n + 1]
+        match = (draft_tokens[row, :n] == best[:n]).long().cumprod(0)
+        a = int(match.sum())
+        out[row, :a] = draft_tokens[row, :a]
+        out[row, a] = best[a]
+        accepted[row] = a
+    return RejectionResult(tokens=out, num_accepted=accepted)
+
+
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """Mean tokens a sequence emits per verification with per-token acceptance `alpha`."""
     if alpha >= 1.0:

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from serve.sampler import Sampler, SamplingParams, param_tensors, process_logits
-from serve.spec_decode import SpecController, expected_tokens_per_step, rejection_sample
+from serve.spec_decode import SpecController, expected_tokens_per_step, greedy_verify, rejection_sample
 
 
 @pytest.mark.parametrize(
@@ -69,6 +69,25 @@ def test_rejection_sampler_greedy_and_padding() -> None:
     assert res.num_accepted.tolist() == [1, 2]
     assert res.tokens[0, :2].tolist() == target_argmax[0, :2].tolist() and res.tokens[0, 2] == -1
     assert res.tokens[1, :3].tolist() == target_argmax[1, :3].tolist()  # bonus after its 2 real drafts
+
+
+def test_greedy_verify_equals_rejection_sampling_on_one_hot_distributions() -> None:
+    """The fast greedy path must emit exactly what the general sampler emits for T=0."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, k = 6, 4
+    for _ in range(200):
+        batch = int(torch.randint(1, 5, (1,), generator=gen))
+        counts = torch.randint(1, k + 1, (batch,), generator=gen)
+        p_logits = torch.randn(batch, k + 1, vocab, generator=gen)
+        flat = p_logits.reshape(-1, vocab)
+        zeros = torch.zeros(flat.shape[0])
+        p = process_logits(flat, zeros, torch.full((flat.shape[0],), -1), torch.ones(flat.shape[0])).reshape(batch, k + 1, vocab)
+        best = p_logits.argmax(-1)
+        drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, vocab, (batch, k), generator=gen))
+        q = torch.zeros(batch, k, vocab).scatter_(-1, drafts[..., None], 1.0)
+        slow = rejection_sample(drafts, q, p, counts, [None] * batch, gen)
+        fast = greedy_verify(drafts, [best[i, : int(counts[i]) + 1] for i in range(batch)], counts)
+        assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.num_accepted, slow.num_accepted)
 
 
 def test_top_k_top_p_masks_and_seeded_sampler() -> None:

@@ -71,7 +71,8 @@ def _measure(
     out["plain_tokens_per_s"] = {
         f"t{t:g}": plain_tokens_per_s(target, prompts, p.spec_new_tokens, t, ctx.seed) for t in p.spec_temperatures
     }
-    for name in ("distilled", "baseline"):
+    # "Before distillation" is the no-teacher baseline when one was trained, else the initial draft.
+    for name in ("distilled", "baseline" if "baseline" in models else "init"):
         if name in models:
             out["speculative"][name], out["speedup"][name] = _speculate(ctx, p, target, models[name], prompts, out)
     return out

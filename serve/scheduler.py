@@ -18,7 +18,15 @@ from serve.sequence import Sequence, SequenceStatus
 
 
 class AdmissionError(ValueError):
-    """A request was refused at admission; the message says which limit and how to fix it."""
+    """A request was refused at admission; the message says which limit and how to fix it.
+
+    ``retryable`` tells a server whether the same request can succeed later (a full queue, too
+    many tokens in flight: HTTP 429) or never will as sent (too long, empty: HTTP 400).
+    """
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass
@@ -91,12 +99,18 @@ class Scheduler:
                 f"cache has only {bm.num_blocks}; raise the KV cache size or lower max_tokens"
             )
         if len(self.waiting) >= cfg.max_waiting:
-            raise AdmissionError(f"queue full: {len(self.waiting)} requests wait (max_waiting={cfg.max_waiting}); retry later")
+            raise AdmissionError(
+                f"queue full: {len(self.waiting)} requests wait (max_waiting={cfg.max_waiting}); retry later", retryable=True)
         limit = cfg.max_tokens_in_flight
+        if limit is not None and seq.max_total_tokens > limit:
+            raise AdmissionError(
+                f"request {seq.request_id}: prompt + max_tokens = {seq.max_total_tokens} tokens exceeds "
+                f"max_tokens_in_flight={limit} on its own; lower max_tokens or raise the cap"
+            )
         if limit is not None and self._tokens_in_flight + seq.max_total_tokens > limit:
             raise AdmissionError(
                 f"request {seq.request_id}: {self._tokens_in_flight} tokens already in flight, adding "
-                f"{seq.max_total_tokens} exceeds max_tokens_in_flight={limit}; retry later"
+                f"{seq.max_total_tokens} exceeds max_tokens_in_flight={limit}; retry later", retryable=True
             )
         seq.status = SequenceStatus.WAITING
         self._tokens_in_flight += seq.max_total_tokens

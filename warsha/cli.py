@@ -20,6 +20,8 @@ EXAMPLES = """examples:
   warsha run recipes/arabic-tiny.yaml stages[1].params.vocab_size=8000 --from extend --force
   warsha inspect runs/arabic-tiny/bootstrap                 manifest and metrics of an artifact
   warsha stages                                             every stage and its parameters
+  warsha serve runs/arabic-tiny/gptq --draft runs/arabic-tiny/draft --port 8000
+                                                            OpenAI-compatible HTTP server
 on a GPU cluster:
   accelerate launch --config_file recipes/accelerate/<cfg>.yaml -m warsha run RECIPE
 """
@@ -52,11 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stages", help="list registered stages and their parameters")
     rep = sub.add_parser("report", help="write report.md with plots from a run directory's manifests")
     rep.add_argument("run_dir", type=Path)
+    sub.add_parser("serve", add_help=False, help="serve a model directory over an OpenAI-compatible HTTP API "
+                   "(same flags as `python -m serve`; see `warsha serve --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for a bad recipe or input)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the serve package owns its flags; it must not depend on warsha
+        _quiet_environment()
+        from serve.api_cli import main as serve_main
+
+        return serve_main(argv[1:], prog="warsha serve")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -97,16 +97,21 @@ def test_admission_rejects_what_never_fits() -> None:
         sched.add(make_seq(10, "big", max_tokens=10))
     sched.add(make_seq(4, "a", max_tokens=4))
     sched.add(make_seq(4, "b", max_tokens=4))
-    with pytest.raises(AdmissionError, match="max_waiting"):
+    with pytest.raises(AdmissionError, match="max_waiting") as full:
         sched.add(make_seq(4, "c", max_tokens=4))
+    assert full.value.retryable
 
 
 def test_tokens_in_flight_cap_and_abort() -> None:
     sched = Scheduler(SchedulerConfig(max_model_len=32, max_tokens_in_flight=20), BlockManager(16, 4))
     a = make_seq(8, "a", max_tokens=8)
     sched.add(a)
-    with pytest.raises(AdmissionError, match="max_tokens_in_flight"):
+    with pytest.raises(AdmissionError, match="max_tokens_in_flight") as busy:
         sched.add(make_seq(8, "b", max_tokens=8))
+    assert busy.value.retryable
+    with pytest.raises(AdmissionError, match="on its own") as never:
+        sched.add(make_seq(12, "huge", max_tokens=9))
+    assert not never.value.retryable
     sched.schedule()
     assert sched.abort("a") is a and a.status is SequenceStatus.FINISHED_ABORTED
     sched.add(make_seq(8, "b", max_tokens=8))

@@ -23,6 +23,8 @@ Scenarios:
      (1 - a^(k+1)) / ((1 - a)(1 + k c)).
      The default draft is the target's first layer (a layer-skip draft) on a target whose later
      layers are damped: a synthetic stand-in for a distilled draft that agrees with its target.
+     With --draft-dir, a draft_vocab.json beside the draft (distill's draft_vocab_size) restricts
+     its head as the engine does, and c is timed that way.
 
 Targets the team aims for are printed as ratios and never asserted. `--threads` defaults to 1:
 on a shared 2-core machine extra OpenMP threads mostly wait on each other, and every engine
@@ -51,6 +53,7 @@ from serve import LLM, SamplingParams  # noqa: E402
 from serve.attention import SeqChunk  # noqa: E402
 from serve.model import ForwardBatch, LlamaModel  # noqa: E402
 from serve.stats import percentile  # noqa: E402
+from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4),
@@ -373,7 +376,9 @@ def scenario_c(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> d
     n = 32 if args.quick else 96
     k = args.num_spec_tokens
     target, draft = LlamaModel.load(target_dir), LlamaModel.load(draft_dir)
-    res: dict[str, Any] = {"k": k, "new_tokens": n, "batches": {}}
+    if (draft_dir / DRAFT_VOCAB_FILE).is_file():  # time the draft as the engine runs it
+        draft.restrict_head(read_draft_vocab(draft_dir / DRAFT_VOCAB_FILE))
+    res: dict[str, Any] = {"k": k, "new_tokens": n, "batches": {}, "draft_head_rows": int(draft.lm_head.shape[0])}
     vocab = target.config.vocab_size
     for batch in (1, 4, 16):
         reqs = workload(batch, (32, 96), (n, n), vocab, seed=3 + batch)

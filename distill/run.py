@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distill import draft as drafting
+from distill import draft_vocab
 from distill.train import DistillSpec, TopkCache, baseline_batches, distill_batches, distill_loss, train_or_load
 
 if TYPE_CHECKING:
@@ -113,13 +114,31 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
     metrics = measure(ctx, p, target, models, tokenizer, held_out_texts)
     metrics["train"] = train_summary
     metrics["draft"] = describe(init, target, p)
+    vocab_ids: list[int] = []
+    if p.draft_vocab_size:
+        vocab_ids, metrics["draft_vocab"] = _draft_vocab(ctx, p, tokenizer, train_docs, held_out_texts)
     if ctx.is_main:
         drafting.save_draft(distilled, ctx.model_dir, ctx.out_dir)
+        if vocab_ids:
+            draft_vocab.write(Path(ctx.out_dir), vocab_ids, metrics["draft_vocab"])
         (Path(ctx.out_dir) / "acceptance.json").write_text(json.dumps(metrics, indent=2))
         from distill.report import write_report
 
         write_report(metrics, Path(ctx.out_dir))
     return metrics
+
+
+def _draft_vocab(ctx: "StageContext", p: "DraftParams", tokenizer: Any, train_docs: list[list[int]],
+                 held_out_texts: list[str]) -> tuple[list[int], dict[str, Any]]:
+    """The frequent-token subset for serving, and how much held-out text it covers."""
+    from distill.data import encode_docs
+
+    ids = draft_vocab.frequent_tokens(train_docs, p.draft_vocab_size, tokenizer.all_special_ids)
+    held_out = encode_docs(tokenizer, held_out_texts)
+    info = {"size": len(ids), "held_out_coverage": draft_vocab.coverage(held_out, ids)}
+    ctx.log.info("distill.draft: draft vocabulary of %d ids covers %.1f%% of held-out tokens",
+                 len(ids), 100 * info["held_out_coverage"])
+    return ids, info
 
 
 def describe(init: Any, target: Any, p: "DraftParams") -> dict[str, Any]:

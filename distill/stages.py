@@ -48,6 +48,9 @@ class DraftParams:
         default=0, metadata=check(ge(0), help="0: teacher on the fly; k: cache its top-k log-probs per chunk")
     )
     baseline: bool = field(default=True, metadata=check(help="also train the no-teacher baseline"))
+    draft_vocab_size: int = field(
+        default=0, metadata=check(ge(0), help="write draft_vocab.json with the N most frequent training tokens;"
+                                  " the serve engine then computes draft logits for those only (0: off)"))
     max_train_documents: int = field(default=4000, metadata=check(ge(1), help="train documents per language"))
     eval_documents: int = field(default=64, metadata=check(ge(1), help="validation documents per language"))
     eval_len: int = field(default=128, metadata=check(ge(2), help="tokens per held-out sequence"))

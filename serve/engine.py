@@ -19,6 +19,7 @@ from serve.block_manager import BlockManager
 from serve.config import ModelConfig
 from serve.kv_cache import KVCache
 from serve.model import LlamaModel, resolve_dtype
+from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab
 from serve.runner import ModelRunner, Proposal, TargetOutput
 from serve.sampler import Sampler, SamplingParams
 from serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -66,7 +67,13 @@ class LLM:
         num_speculative_tokens: int = 4,
         adaptive_speculation: bool = True,
         seed: int = 0,
+        draft_vocab_size: int | None = None,
     ) -> None:
+        """`draft_vocab_size`: None uses the draft's `draft_vocab.json` as written, N keeps its
+        N most frequent ids, 0 ignores the file (full head)."""
+        if draft_vocab_size is not None and draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0, got {draft_vocab_size}")
+        self._draft_vocab_size = draft_vocab_size
         torch_dtype = resolve_dtype(dtype)
         self.config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
@@ -109,7 +116,12 @@ class LLM:
                 f"draft {draft_dir} has vocab_size {draft_cfg.vocab_size}, the target {self.config.vocab_size}: first "
                 f"differing id {first}; the draft must use the target's exact vocabulary"
             )
-        return LlamaModel.load(draft_dir, dtype)
+        draft = LlamaModel.load(draft_dir, dtype)
+        vocab_file = Path(draft_dir) / DRAFT_VOCAB_FILE
+        if vocab_file.is_file() and self._draft_vocab_size != 0:
+            ids = read_draft_vocab(vocab_file)
+            draft.restrict_head(ids[: self._draft_vocab_size] if self._draft_vocab_size else ids)
+        return draft
 
     def _resolve_max_len(self, requested: int | None) -> int:
         """The served context length: the model's, or a smaller one the user asked for."""

@@ -104,9 +104,22 @@ class ModelRunner:
             return None
         return self._propose_rest(batch, spec_rows, logits, generators)
 
+    def _draft_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids of draft logit columns (they differ when the draft's head is restricted)."""
+        ids = self.draft.head_ids if self.draft is not None else None
+        return columns if ids is None else ids[columns]
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the whole vocabulary: -inf for ids outside a restricted head."""
+        ids = self.draft.head_ids if self.draft is not None else None
+        if ids is None:
+            return logits
+        full = torch.full((logits.shape[0], self.target.lm_head.shape[0]), float("-inf"), dtype=logits.dtype)
+        return full.index_copy_(1, ids, logits)
+
     def _draft_sample(self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft token and its processed distribution q for each row."""
-        probs = process_logits(logits, *param_tensors(params))
+        probs = process_logits(self._full_vocab(logits), *param_tensors(params))
         return draw(probs, exponential_noise(tuple(probs.shape), gens, self.generator)), probs
 
     def _propose_rest(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor, generators: dict[str, torch.Generator]) -> Proposal:
@@ -119,7 +132,7 @@ class ModelRunner:
         if all(p.greedy for p in params):
             return self._propose_greedy(seqs, rows, logits, counts)
         tokens = torch.zeros(len(rows), kmax, dtype=torch.long)
-        probs = torch.zeros(len(rows), kmax, logits.shape[-1])
+        probs = torch.zeros(len(rows), kmax, self.target.lm_head.shape[0])
         tokens[:, 0], probs[:, 0] = self._draft_sample(logits, params, gens)
         for j in range(1, kmax):
             live = [r for r in range(len(rows)) if counts[r] > j]
@@ -140,12 +153,12 @@ class ModelRunner:
         needs only the tokens, and the [S, k, V] probabilities and noise are never built."""
         kmax = int(counts.max())
         tokens = torch.zeros(len(rows), kmax, dtype=torch.long)
-        tokens[:, 0] = logits.argmax(-1)
+        tokens[:, 0] = self._draft_ids(logits.argmax(-1))
         for j in range(1, kmax):
             live = [r for r in range(len(rows)) if counts[r] > j]
             fb = build_forward([seqs[r] for r in live], [seqs[r].num_tokens + j - 1 for r in live],
                                [[int(tokens[r, j - 1])] for r in live], [[0] for _ in live])
-            tokens[live, j] = self.draft.forward(fb, self.draft_kv).argmax(-1)
+            tokens[live, j] = self._draft_ids(self.draft.forward(fb, self.draft_kv).argmax(-1))
             self.num_draft_forwards += 1
         return Proposal(rows=rows, tokens=tokens, probs=None, counts=counts)
 

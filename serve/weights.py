@@ -38,3 +38,22 @@ def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     return tensors
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(path: Path) -> list[int]:
+    """The draft's head restriction: `{"token_ids": [...]}`, most frequent first.
+
+    Written by the distill stage beside an ordinary HF draft (whose head keeps every row, so
+    other engines load it unchanged); the serve engine reads it and computes draft logits for
+    these ids only.
+    """
+    try:
+        ids = json.loads(Path(path).read_text())["token_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: expected a JSON object with a 'token_ids' list ({exc})") from exc
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"{path}: 'token_ids' must be a list of integers")
+    return ids

@@ -41,8 +41,11 @@ def test_stage_writes_a_loadable_draft_and_reports(tmp_path: Path, ctx_factory: 
     from distill.draft import first_vocab_difference
 
     ctx = ctx_factory(tmp_path)
-    metrics = STAGES["draft"].run(ctx, _params())
+    metrics = STAGES["draft"].run(ctx, _params(draft_vocab_size=50))
     model = AutoModelForCausalLM.from_pretrained(ctx.out_dir)
+    vocab_file = json.loads((ctx.out_dir / "draft_vocab.json").read_text())
+    assert len(vocab_file["token_ids"]) == 50 == metrics["draft_vocab"]["size"]
+    assert 0.0 < metrics["draft_vocab"]["held_out_coverage"] < 1.0
     assert model.config.num_hidden_layers == 1
     assert model.config.rope_parameters["rope_type"] == "yarn"
     tok = AutoTokenizer.from_pretrained(ctx.out_dir)

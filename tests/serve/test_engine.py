@@ -174,3 +174,57 @@ def test_unsupported_architecture_refused(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="llama, mistral, qwen2"):
         LLM(path)
+
+
+def _restricted_copy(draft: Path, tmp_path: Path, ids: list[int]) -> Path:
+    import shutil
+
+    out = tmp_path / "restricted_draft"
+    shutil.copytree(draft, out)
+    (out / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    return out
+
+
+def test_restricted_draft_head_is_exact_and_uses_only_its_ids(spec_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """A draft computing logits for a subset of ids still gives exactly the target's output."""
+    from serve.model import LlamaModel
+
+    target, draft = spec_pair
+    vocab = LlamaModel.load(draft, "float32").lm_head.shape[0]
+    ids = list(range(0, vocab, 3))  # a third of the vocabulary: the target picks many ids outside it
+    restricted = _restricted_copy(draft, tmp_path, ids)
+    prompts = random_prompts(6, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target, dtype="float32").generate(prompts, params)
+    llm = LLM(target, restricted, dtype="float32", num_speculative_tokens=3, adaptive_speculation=False, block_size=4)
+    assert llm.runner.draft.lm_head.shape[0] == len(ids)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.stats.spec_proposed > 0
+    full = LLM(target, draft, dtype="float32", num_speculative_tokens=3, adaptive_speculation=False)
+    assert full.stats.acceptance_rate is None and full.runner.draft.head_ids is None
+    proposed: list[int] = []
+    propose = llm.runner._propose_rest
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = propose(*args, **kwargs)
+        proposed.extend(out.tokens[r, : int(out.counts[r])].tolist() for r in range(len(out.rows)))
+        return out
+
+    llm.runner._propose_rest = spy  # type: ignore[method-assign]
+    sampled = llm.generate(prompts[:3], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=3, ignore_eos=True))
+    assert all(len(o.token_ids) == 10 for o in sampled)
+    assert proposed and set(sum(proposed, [])) <= set(ids)  # sampled drafts never leave the subset
+    capped = LLM(target, restricted, dtype="float32", draft_vocab_size=10)
+    assert capped.runner.draft.head_ids.tolist() == ids[:10]
+    assert LLM(target, restricted, dtype="float32", draft_vocab_size=0).runner.draft.head_ids is None
+    finish(llm)
+
+
+def test_restricted_draft_vocab_file_errors(spec_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    target, draft = spec_pair
+    bad = _restricted_copy(draft, tmp_path, [1, 1, 2])
+    with pytest.raises(ValueError, match="distinct"):
+        LLM(target, bad, dtype="float32")
+    (bad / "draft_vocab.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="token_ids"):
+        LLM(target, bad, dtype="float32")

@@ -12,6 +12,15 @@ for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TR
                      ("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("TOKENIZERS_PARALLELISM", "false")):
     os.environ.setdefault(_key, _value)
 
+# serve's Triton kernels are tested on CPU through Triton's interpreter. Triton reads
+# TRITON_INTERPRET when it decorates kernels, its own tl.* helpers included (decorated when
+# triton is first imported), and again at launch; peft, bitsandbytes and torch._dynamo import
+# triton as a side effect, so the variable must be set here, before any test module is collected.
+# It changes nothing else on a machine without CUDA (no other code runs triton kernels there);
+# with CUDA it is left unset so the compiled kernels are tested. Runs in tests/serve/test_triton_*.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

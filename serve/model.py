@@ -122,10 +122,10 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "bfloat16") -> "LlamaModel":
+    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", backend: AttentionBackend | None = None) -> "LlamaModel":
         """Read config.json and the safetensors checkpoint of `model_dir`."""
         config = ModelConfig.from_dir(model_dir)
-        return cls(config, load_state_dict(model_dir), resolve_dtype(dtype))
+        return cls(config, load_state_dict(model_dir), resolve_dtype(dtype), backend)
 
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         """Fuse layer `i`'s projections."""
@@ -170,6 +170,7 @@ class LlamaModel:
         c = self.config
         meta = self.backend.build_metadata(batch.chunks, kv.block_size)
         slots = self.backend.slot_mapping(meta)
+        write_kv = getattr(self.backend, "write_kv", None)
         rope_lens = [(ch.query_start, ch.query_len, ch.context_len) for ch in batch.chunks]
         cos, sin = self.rope.lookup(batch.positions, rope_lens)
         x = F.embedding(batch.input_ids, self.embed)
@@ -180,7 +181,10 @@ class LlamaModel:
             qk = apply_rope(qk.reshape(-1, c.num_heads + c.num_kv_heads, d), cos, sin)  # q and k in one pass
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.reshape(-1, c.num_kv_heads, d)
-            kv.write(i, slots, k, v)
+            if write_kv is None:
+                kv.write(i, slots, k, v)
+            else:  # a backend with its own cache-write kernel (Triton)
+                write_kv(kv.k[i], kv.v[i], meta, k, v)
             o = self.backend.forward(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
             x = x + layer.o(o.reshape(-1, n_q))
             h = rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)

@@ -228,3 +228,19 @@ def test_restricted_draft_vocab_file_errors(spec_pair: tuple[Path, Path], tmp_pa
     (bad / "draft_vocab.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="token_ids"):
         LLM(target, bad, dtype="float32")
+
+
+def test_engine_on_triton_kernels_matches_torch_backend(tiny_dir: Path, draft_dir: Path) -> None:
+    """The whole engine (prefill, chunked prefill, decode, cache writes, speculation) on the
+    Triton backend, run by Triton's interpreter on CPU, against the torch backend."""
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET before triton loads"
+    prompts = random_prompts(3, seed=11, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    common = dict(dtype="float32", block_size=16, max_num_batched_tokens=32)
+    ref = LLM(tiny_dir, draft_dir, num_speculative_tokens=2, adaptive_speculation=False, **common).generate(prompts, params)
+    llm = LLM(tiny_dir, draft_dir, num_speculative_tokens=2, adaptive_speculation=False, attention_backend="triton", **common)
+    assert type(llm.runner.target.backend).__name__ == "TritonPagedAttention"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]
+    finish(llm)

@@ -70,19 +70,23 @@ class LLM:
         seed: int = 0,
         draft_vocab_size: int | None = None,
         attention_backend: str | None = None,
+        device: str = "cpu",
     ) -> None:
         """`draft_vocab_size`: None uses the draft's `draft_vocab.json` as written, N keeps its
         N most frequent ids, 0 ignores the file (full head). `attention_backend`: None picks by
         device (torch on CPU); "triton" forces the Triton kernels (on CPU only under
-        TRITON_INTERPRET=1, which is how the tests run the engine on them)."""
+        TRITON_INTERPRET=1, which is how the tests run the engine on them). `device="cuda"` puts
+        weights and KV cache on the GPU with the Triton kernels; sampling stays on the host.
+        The CUDA path has only been run through Triton's interpreter on CPU, never on a GPU."""
         if draft_vocab_size is not None and draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {draft_vocab_size}")
         self._draft_vocab_size = draft_vocab_size
         torch_dtype = resolve_dtype(dtype)
         self.config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
-        self._backend = get_backend("cpu", prefer=attention_backend)
-        target = LlamaModel.load(model_dir, torch_dtype, self._backend)
+        self._device = device
+        self._backend = get_backend(device, prefer=attention_backend)
+        target = LlamaModel.load(model_dir, torch_dtype, self._backend, device)
         draft = self._load_draft(draft_dir, torch_dtype) if draft_dir is not None else None
         self.max_model_len = self._resolve_max_len(max_model_len)
         num_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_gb, block_size, torch_dtype, draft, max_num_seqs)
@@ -121,7 +125,7 @@ class LLM:
                 f"draft {draft_dir} has vocab_size {draft_cfg.vocab_size}, the target {self.config.vocab_size}: first "
                 f"differing id {first}; the draft must use the target's exact vocabulary"
             )
-        draft = LlamaModel.load(draft_dir, dtype, self._backend)
+        draft = LlamaModel.load(draft_dir, dtype, self._backend, self._device)
         vocab_file = Path(draft_dir) / DRAFT_VOCAB_FILE
         if vocab_file.is_file() and self._draft_vocab_size != 0:
             ids = read_draft_vocab(vocab_file)

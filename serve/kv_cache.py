@@ -16,11 +16,12 @@ import torch
 class KVCache:
     """Paged K/V storage for one model."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -30,6 +31,7 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, kv_heads, head_dim] at `slots` [T] of `layer`."""
+        slots = slots.to(self.k.device)
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
         self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
 
@@ -39,8 +41,8 @@ class KVCache:
             return
         bs = self.block_size
         offsets = torch.arange(bs)
-        src = torch.cat([offsets + s * bs for s, _ in pairs])
-        dst = torch.cat([offsets + d * bs for _, d in pairs])
+        src = torch.cat([offsets + s * bs for s, _ in pairs]).to(self.k.device)
+        dst = torch.cat([offsets + d * bs for _, d in pairs]).to(self.k.device)
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
 

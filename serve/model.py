@@ -68,8 +68,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows whose logits are needed
 
 
-def _fused_linear(state: dict[str, torch.Tensor], names: list[str], config: ModelConfig, dtype: torch.dtype) -> Linear:
-    """One linear for projections sharing an input: concatenated dense weights or int4 parts."""
+def _fused_linear(state: dict[str, torch.Tensor], names: list[str], config: ModelConfig, dtype: torch.dtype,
+                  device: torch.device = torch.device("cpu")) -> Linear:
+    """One linear for projections sharing an input: concatenated dense weights or int4 parts
+    (torch's CPU int4 kernel on CPU, the Triton int4 GEMM elsewhere)."""
     biases = [state.get(f"{n}.bias") for n in names]
     bias = torch.cat([b.to(dtype) for b in biases]) if all(b is not None for b in biases) else None
     if f"{names[0]}.qweight" not in state:
@@ -80,6 +82,14 @@ def _fused_linear(state: dict[str, torch.Tensor], names: list[str], config: Mode
     if config.quant is None:
         raise ValueError(f"{names[0]}.qweight found but config.json has no quantization_config; the checkpoint is inconsistent")
     q = config.quant
+    if device.type != "cpu":
+        from serve.triton_int4 import Int4TritonLinear
+
+        return SplitLinear([
+            Int4TritonLinear(state[f"{n}.qweight"], state[f"{n}.qzeros"], state[f"{n}.scales"], state.get(f"{n}.g_idx"),
+                             q.group_size, b.to(dtype) if b is not None else None, q.checkpoint_format)
+            for n, b in zip(names, biases)
+        ])
     parts = [
         gptq_to_int4_parts(n, state[f"{n}.qweight"], state[f"{n}.qzeros"], state[f"{n}.scales"], state.get(f"{n}.g_idx"), q.group_size, q.checkpoint_format)
         for n in names
@@ -107,9 +117,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """Weights plus the forward; holds no per-request state (the KV cache is passed in)."""
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, backend: AttentionBackend | None = None) -> None:
-        self.config, self.dtype = config, dtype
-        self.backend = backend or get_backend("cpu")
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, backend: AttentionBackend | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.backend = backend or get_backend(self.device)
+        if self.device.type != "cpu":
+            state = {k: v.to(self.device) for k, v in state.items()}
         self.embed = state["model.embed_tokens.weight"].to(dtype)
         self.norm = state["model.norm.weight"].to(dtype)
         head = state.get("lm_head.weight")
@@ -122,20 +135,21 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", backend: AttentionBackend | None = None) -> "LlamaModel":
-        """Read config.json and the safetensors checkpoint of `model_dir`."""
+    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", backend: AttentionBackend | None = None,
+             device: torch.device | str = "cpu") -> "LlamaModel":
+        """Read config.json and the safetensors checkpoint of `model_dir` (weights onto `device`)."""
         config = ModelConfig.from_dir(model_dir)
-        return cls(config, load_state_dict(model_dir), resolve_dtype(dtype), backend)
+        return cls(config, load_state_dict(model_dir), resolve_dtype(dtype), backend, device)
 
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         """Fuse layer `i`'s projections."""
         p = f"model.layers.{i}."
         attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
         return LayerWeights(
-            qkv=_fused_linear(state, attn, self.config, self.dtype),
-            o=_fused_linear(state, [f"{p}self_attn.o_proj"], self.config, self.dtype),
-            gate_up=_fused_linear(state, [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], self.config, self.dtype),
-            down=_fused_linear(state, [f"{p}mlp.down_proj"], self.config, self.dtype),
+            qkv=_fused_linear(state, attn, self.config, self.dtype, self.device),
+            o=_fused_linear(state, [f"{p}self_attn.o_proj"], self.config, self.dtype, self.device),
+            gate_up=_fused_linear(state, [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], self.config, self.dtype, self.device),
+            down=_fused_linear(state, [f"{p}mlp.down_proj"], self.config, self.dtype, self.device),
             input_norm=state[f"{p}input_layernorm.weight"].to(self.dtype),
             post_attention_norm=state[f"{p}post_attention_layernorm.weight"].to(self.dtype),
         )
@@ -153,13 +167,13 @@ class LlamaModel:
         ids = torch.tensor(token_ids, dtype=torch.long)
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != ids.numel():
             raise ValueError(f"draft vocabulary: token ids must be distinct and in [0, {vocab}), got {ids.numel()} ids")
-        self.lm_head = self.lm_head.index_select(0, ids)
+        self.lm_head = self.lm_head.index_select(0, ids.to(self.lm_head.device))
         self.head_ids = ids
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """A KV cache shaped for this model."""
         c = self.config
-        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
@@ -172,8 +186,10 @@ class LlamaModel:
         slots = self.backend.slot_mapping(meta)
         write_kv = getattr(self.backend, "write_kv", None)
         rope_lens = [(ch.query_start, ch.query_len, ch.context_len) for ch in batch.chunks]
-        cos, sin = self.rope.lookup(batch.positions, rope_lens)
-        x = F.embedding(batch.input_ids, self.embed)
+        cos, sin = self.rope.lookup(batch.positions, rope_lens)  # tables stay on CPU (small)
+        if self.device.type != "cpu":
+            cos, sin = cos.to(self.device), sin.to(self.device)
+        x = F.embedding(batch.input_ids.to(self.device), self.embed)
         n_q, n_kv, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
@@ -190,8 +206,8 @@ class LlamaModel:
             h = rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        x = rms_norm(x.index_select(0, batch.logits_indices), self.norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        x = rms_norm(x.index_select(0, batch.logits_indices.to(self.device)), self.norm, c.rms_norm_eps)
+        return F.linear(x, self.lm_head).float().cpu()  # sampling runs on the host
 
     def prefill_logits(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
         """float32 logits [len(token_ids), V] of one sequence in a throwaway cache (tests, scoring)."""

@@ -34,6 +34,7 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the directory name)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for Triton kernels on a GPU (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weight and KV dtype (default: %(default)s)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="memory for the paged KV cache, GiB (default: %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory-gb)")
@@ -56,6 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)` keyword arguments from parsed flags."""
     return dict(
         dtype=args.dtype,
+        device=args.device,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,

@@ -128,6 +128,7 @@ STAGES: dict[str, StageDef] = {
         params=AdaptParams,
         run=_adapt,
         description="adaptation fine-tune (QLoRA, or full/embeddings under DeepSpeed ZeRO)",
+        optional_inputs=("base",),  # the unextended model for compare_base; hashed when mapped
         training=True,
     ),
 }

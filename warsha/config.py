@@ -153,7 +153,7 @@ def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
             recipe.resolved.append(None)
             continue
         recipe.resolved.append(from_dict(sdef.params, entry.params, f"{path}.params", problems))
-        problems += _check_entry(entry, i, sdef.inputs, seen, recipe)
+        problems += _check_entry(entry, i, sdef.inputs, seen, recipe, sdef.optional_inputs)
         seen[entry.key] = i
     problems += _check_base(recipe)
     if problems:
@@ -161,7 +161,8 @@ def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
     return recipe
 
 
-def _check_entry(entry: StageEntry, i: int, roles: tuple[str, ...], seen: dict[str, int], recipe: Recipe) -> list[str]:
+def _check_entry(entry: StageEntry, i: int, roles: tuple[str, ...], seen: dict[str, int], recipe: Recipe,
+                 optional: tuple[str, ...] = ()) -> list[str]:
     path = f"stages[{i}]"
     problems = []
     if not _ID.match(entry.key):
@@ -169,8 +170,9 @@ def _check_entry(entry: StageEntry, i: int, roles: tuple[str, ...], seen: dict[s
     if entry.key in seen:
         problems.append(f"{path}.id: {entry.key!r} is already used by stages[{seen[entry.key]}]; give one an id")
     for role, ref in entry.inputs.items():
-        if role not in roles:
-            problems.append(f"{path}.inputs.{role}: {entry.stage} takes no input {role!r} (takes: {', '.join(roles) or 'none'})")
+        if role not in roles + optional:
+            takes = ", ".join(roles + tuple(f"{r} (optional)" for r in optional)) or "none"
+            problems.append(f"{path}.inputs.{role}: {entry.stage} takes no input {role!r} (takes: {takes})")
         elif ref not in seen and not Path(ref).is_dir():
             problems.append(f"{path}.inputs.{role}: {ref!r} is neither an earlier stage id nor a directory")
     for role in roles:

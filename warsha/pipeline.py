@@ -61,7 +61,7 @@ def plan(recipe: Recipe, root: Path) -> list[Planned]:
     for i, entry in enumerate(recipe.stages):
         sdef = get_stage(entry.stage)
         inputs: dict[str, Path] = {}
-        for role in sdef.inputs:
+        for role in sdef.inputs + sdef.optional_inputs:
             ref = entry.inputs.get(role)
             if ref is not None:
                 inputs[role] = by_key.get(ref, Path(ref))

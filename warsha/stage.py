@@ -26,7 +26,9 @@ class StageDef:
 
     ``inputs`` names the artifact roles the stage reads (``model`` is the previous stage's
     output unless the recipe maps it elsewhere); an empty tuple means the stage creates a model
-    from nothing (``bootstrap``). ``training`` stages get a resumable checkpoint directory.
+    from nothing (``bootstrap``). ``optional_inputs`` are roles a recipe may map; when mapped
+    they are hashed into the skip decision like any input. ``training`` stages get a resumable
+    checkpoint directory.
     """
 
     name: str
@@ -34,6 +36,7 @@ class StageDef:
     run: Callable[["StageContext", Any], dict[str, Any]]
     description: str
     inputs: tuple[str, ...] = ("model",)
+    optional_inputs: tuple[str, ...] = ()
     training: bool = False
     uses_data: bool = True
 

@@ -160,3 +160,18 @@ def test_real_model_recipes_dry_run(path: Path, tmp_path: Path) -> None:
     missing = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--dry-run"],
                              capture_output=True, text=True, env={**env, "WARSHA_MODELS": str(tmp_path / "none")})
     assert missing.returncode == 2 and "base: no such model directory" in missing.stderr
+
+
+def test_optional_input_roles_are_planned_only_when_mapped(tmp_path: Path) -> None:
+    from warsha.pipeline import plan
+
+    data = tiny_recipe()
+    data["stages"] += [{"stage": "tokenizer_ext.extend"}, {"stage": "tokenizer_ext.embed"},
+                       {"stage": "tokenizer_ext.adapt", "id": "a1"},
+                       {"stage": "tokenizer_ext.adapt", "id": "a2", "inputs": {"model": "embed", "base": "bootstrap"}}]
+    steps = {s.key: s for s in plan(parse_recipe(data), tmp_path)}
+    assert set(steps["a1"].inputs) == {"model"}
+    assert steps["a2"].inputs == {"model": tmp_path / "embed", "base": tmp_path / "bootstrap"}
+    data["stages"][-1]["inputs"]["teacher"] = "bootstrap"
+    with pytest.raises(RecipeError, match=r"takes no input 'teacher' \(takes: model, base \(optional\)\)"):
+        parse_recipe(data)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from distill import draft as drafting
 from distill import draft_vocab
 from distill.train import DistillSpec, TopkCache, baseline_batches, distill_batches, distill_loss, train_or_load
+from warsha.precision import compute_dtype
 
 if TYPE_CHECKING:
     from distill.stages import DraftParams
@@ -86,7 +87,7 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
     target = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32).eval()
     init = build_draft(p, target, ctx).float()
-    teacher = copy.deepcopy(target).to(torch.bfloat16).eval().requires_grad_(False)
+    teacher = copy.deepcopy(target).to(compute_dtype(None, "auto")).eval().requires_grad_(False)
 
     train_docs = encode_docs(tokenizer, load_texts(ctx, "train", p.max_train_documents))
     pools = build_pools(train_docs, p.train.seq_len, p.prompt_len, ctx.seed)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizer_ext import embed, quality
+from warsha.precision import compute_dtype
 
 if TYPE_CHECKING:
     from warsha.stage import StageContext
@@ -106,9 +107,7 @@ def adapt_one(ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Pat
     if out is not None:
         model.save_pretrained(out)
     if p.gen_tokens:
-        import torch
-
-        model = model.to(torch.bfloat16)
+        model = model.to(compute_dtype(None, "auto"))
         metrics["generation"] = quality.generation_speed(model, tok, quality.prompts(corpus), p.gen_tokens)
     return metrics
 
@@ -203,7 +202,7 @@ def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir:
     out: dict[str, Any] = {"bits_per_char": quality.bits_per_char(model, tok, ctx.corpus(), p.eval_docs,
                                                                    p.eval_max_length)}
     if p.gen_tokens:
-        out["generation"] = quality.generation_speed(model.to(torch.bfloat16), tok, quality.prompts(ctx.corpus()),
+        out["generation"] = quality.generation_speed(model.to(compute_dtype(None, "auto")), tok, quality.prompts(ctx.corpus()),
                                                      p.gen_tokens)
     return out
 

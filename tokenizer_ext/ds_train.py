@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from warsha.precision import use_bf16
 from warsha.training import TrainParams, TrainResult, lr_multiplier
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def load_config(path: str | Path, p: TrainParams, world: int, offload: bool) -> 
     for key, value in auto.items():
         if cfg.get(key, "auto") == "auto":
             cfg[key] = value
-    cfg.setdefault("bf16", {})["enabled"] = p.bf16
+    cfg.setdefault("bf16", {})["enabled"] = use_bf16(p.bf16, "auto")
     opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = opt.setdefault("params", {})
     for key, value in (("lr", p.lr), ("weight_decay", p.weight_decay)):

@@ -40,14 +40,17 @@ def load(model_dir: Path, new_ids: list[int], tied: bool, r: int, alpha: int, dr
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     check_shapes(model_dir)
+    from warsha.precision import compute_dtype
+
+    dtype = compute_dtype(None, "auto")  # bf16 only where it is fast (float32 on AVX2-only CPUs)
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=double_quant,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-        bnb_4bit_quant_storage=torch.bfloat16,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
     )
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=dtype)
     heads = ["embed_tokens"] if tied else ["embed_tokens", "lm_head"]
     extra: dict[str, Any] = {}
     if full_embeddings:
@@ -57,7 +60,7 @@ def load(model_dir: Path, new_ids: list[int], tied: bool, r: int, alpha: int, dr
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear",
                      task_type="CAUSAL_LM", **extra)
     peft_model = get_peft_model(model, cfg)
-    for q in peft_model.parameters():  # trainable weights in fp32; bf16 autocast does the math
+    for q in peft_model.parameters():  # trainable weights in fp32; autocast (if bf16) does the math
         if q.requires_grad:
             q.data = q.data.float()
     return peft_model

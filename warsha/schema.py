@@ -53,6 +53,8 @@ def _type_name(tp: Any) -> str:
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
     if dataclasses.is_dataclass(tp):
         return "mapping"
+    if tp is type(None):
+        return "null"
     return getattr(tp, "__name__", str(tp))
 
 

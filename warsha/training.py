@@ -46,7 +46,8 @@ class TrainParams:
     log_every: int = field(default=10, metadata=check(ge(1)))
     eval_every: int = field(
         default=0, metadata=check(ge(0), help="held-out evaluation every N steps and at step 0, for curves (0: off)"))
-    bf16: bool = field(default=True, metadata=check(help="bf16 autocast (faster on CPU and GPU)"))
+    bf16: bool | None = field(
+        default=None, metadata=check(help="bf16 autocast; null: where the device has fast bf16 (warsha.precision)"))
 
 
 @dataclass
@@ -98,12 +99,14 @@ def make_accelerator(device: str, p: TrainParams, **kwargs: Any) -> Any:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
+    from warsha.precision import use_bf16
+
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     return Accelerator(
         cpu=cpu,
-        mixed_precision="bf16" if p.bf16 else "no",
+        mixed_precision="bf16" if use_bf16(p.bf16, "cpu" if cpu else "cuda") else "no",
         gradient_accumulation_steps=p.grad_accum,
         **kwargs,
     )

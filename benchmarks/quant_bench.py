@@ -1,19 +1,27 @@
-"""Warsha RTN / AWQ / GPTQ side by side (and llm-compressor's GPTQ/AWQ when available).
+"""Warsha RTN / AWQ / GPTQ against llm-compressor's GPTQ / AWQ, side by side.
 
-Same model, same calibration rows, same held-out validation text, same metric
-(``warsha.evaluate.likelihood``): perplexity and bits per character per language, the relative
-perplexity increase over the unquantized model, wall time of the quantization itself.
+Same model, same calibration rows (packed by ``quantize.calib`` from the corpus's train split,
+languages mixed as ``--calib-langs`` says), same held-out validation documents, same evaluator
+(``quantize.evalstats.doc_scores``, which splits ``warsha.evaluate.likelihood`` by document):
+perplexity per language, its relative increase over the unquantized model with a paired
+standard error over documents, each method against RTN and against its llm-compressor
+counterpart (also paired), and the wall time of the quantization itself.
 
-Run on CPU (trains a small Llama-architecture model on the bundled corpus first if no model is
-given, about 10-20 minutes on 2 cores; the model is cached under benchmarks/results/):
+llm-compressor runs in its own venv (it pins transformers 5.17): ``benchmarks/peers/
+make_venv.sh`` creates ``/work/venvs/peers``; this script sends it the calibration rows, it
+writes each quantized model as plain float weights, and they are scored here. With
+``--peer-load`` the Warsha GPTQ and AWQ exports are also loaded by GPTQModel in that venv
+(``benchmarks/peers/gptqmodel_load.py``) and its logits compared with Warsha's reference.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/quant_bench.py
-    .venv/bin/python benchmarks/quant_bench.py --model runs/.../model --group-size 128 --bits 4
+CPU, about 25-40 minutes on a shared 2-core machine (each evaluation of 2 x 300 documents on the
+19M-parameter demo model takes 3-5 minutes; quantization itself is seconds to minutes):
 
-Peers: if ``/work/quantpeer-venv/bin/python`` exists (a separate venv with ``torch==2.13.0``
-then ``llmcompressor==0.14.0.1``, which pins transformers 5.17), this script reruns itself there
-as a worker on the same calibration ids and texts (``--peer-worker``). Writes
-``benchmarks/results/quant_bench.json`` and prints a table. Never run in CI.
+    .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 128
+    .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 64 --no-peers
+
+A linear the group size does not divide (the demo's down_proj has 704 inputs: 128 does not
+divide it) stays in float for every method, Warsha's and the peer's alike. Writes
+``benchmarks/results/quant_bench-g<group>.json`` and prints a table. Never run in CI.
 """
 
 from __future__ import annotations
@@ -31,210 +39,196 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-PEER_PYTHON = Path("/work/quantpeer-venv/bin/python")
+PEER_PYTHON = Path(os.environ.get("WARSHA_PEER_PYTHON", "/work/venvs/peers/bin/python"))
+PEERS = ROOT / "benchmarks" / "peers"
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="HF model directory (default: train a small one)")
+    p.add_argument("--model", type=Path, default=ROOT / "runs" / "arabic-tiny" / "yarn", help="HF model directory")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--n-samples", type=int, default=64)
+    p.add_argument("--n-samples", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--eval-documents", type=int, default=200)
+    p.add_argument("--calib-langs", default="ar,en", help="calibration languages, interleaved by document")
+    p.add_argument("--eval-documents", type=int, default=300, help="validation documents per language")
     p.add_argument("--eval-max-length", type=int, default=256)
     p.add_argument("--methods", default="rtn,awq,gptq")
-    p.add_argument("--train-steps", type=int, default=400)
-    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--gptq-act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="act-order with static groups (llm-compressor's default 'static')")
     p.add_argument("--threads", type=int, default=1, help="1 is fastest on a busy 2-core machine")
-    p.add_argument("--no-peers", action="store_true")
-    p.add_argument("--out", type=Path, default=RESULTS / "quant_bench.json")
-    p.add_argument("--peer-worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--no-peers", action="store_true", help="skip llm-compressor")
+    p.add_argument("--peer-load", action="store_true", help="also load Warsha's exports with GPTQModel")
+    p.add_argument("--out", type=Path)
     return p.parse_args()
 
 
-def train_default_model(out: Path, steps: int, batch: int, corpus: Any) -> Path:
-    """A 4-layer Llama (hidden 256, MHA) on the Llama-type 32k tokenizer, bf16 on CPU."""
-    import importlib.resources
-    import shutil
+def warsha_params(method: str, args: argparse.Namespace) -> Any:
+    """The stage's own parameter dataclass, so the bench runs exactly what a recipe would."""
+    from quantize.stages import AWQParams, GPTQParams, RTNParams
 
+    common = {"bits": args.bits, "group_size": args.group_size, "on_bad_group": "fallback", "eval_max_length": args.eval_max_length}
+    if method == "rtn":
+        return RTNParams(**common)
+    calib = {"n_samples": args.n_samples, "seq_len": args.seq_len, "calib_langs": args.calib_langs.split(",")}
+    if method == "awq":
+        return AWQParams(**common, **calib, format="awq" if args.bits == 4 else "gptq")
+    return GPTQParams(**common, **calib, desc_act=args.gptq_act_order, static_groups=True)
+
+
+def warsha_method(method: str, args: argparse.Namespace, calib: Any, texts: dict, tok: Any, keep: Path) -> tuple[dict, dict]:
+    """Quantize, export, load back through the dequant reference, score per document."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    if (out / "config.json").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    sp = importlib.resources.files("mistral_common").joinpath("data", "tokenizer.model.v1")
-    shutil.copy(str(sp), out / "tokenizer.model")
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
-    tok = AutoTokenizer.from_pretrained(out)
-    tok.save_pretrained(out)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=8, vocab_size=len(tok), max_position_embeddings=512,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    from quantize.calib import calibration_ids, interleave
-
-    texts = interleave([corpus.texts("ar", "train"), corpus.texts("en", "train")], seed=1)
-    seq = 128
-    data = calibration_ids(tok, texts, steps * batch // 4, seq)  # each row is seen about 4 times
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.05)
-    from tqdm.auto import tqdm
-
-    model.train()
-    for step in (bar := tqdm(range(steps), desc="train bench model")):
-        rows = torch.randint(0, data.shape[0], (batch,))
-        ids = data[rows]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(), sched.step(), opt.zero_grad()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    model.eval().save_pretrained(out)
-    return out
-
-
-def warsha_method(method: str, args: argparse.Namespace, model_dir: Path, calib: Any, texts: dict, tok: Any) -> dict[str, Any]:
-    """Quantize with Warsha, export, load back through the dequant reference, evaluate."""
     from quantize.arch import arch_for
     from quantize.dequant import load_dequantized
     from quantize.export import export, quantization_config
     from quantize.layerwise import plan_layers
     from quantize.quantizer import QuantSpec
-    from quantize.run import dir_bytes, evaluate, load_model, quantize_model
-    from quantize.stages import AWQParams, GPTQParams, RTNParams
+    from quantize.run import _format_extra, dir_bytes, load_model, quantize_model
 
-    common = {"bits": args.bits, "group_size": args.group_size, "eval_max_length": args.eval_max_length}
-    params = {"rtn": RTNParams, "awq": AWQParams, "gptq": GPTQParams}[method](**common)
-    if method != "rtn":
-        params.n_samples, params.seq_len = args.n_samples, args.seq_len
-    if args.bits != 4:
-        params.format = "gptq"  # the AWQ GEMM layout holds 4-bit weights only
-    model = load_model(model_dir, __import__("torch").float32)
+    params = warsha_params(method, args)
+    model = load_model(args.model, torch.float32)
     arch = arch_for(model.config.model_type)
-    plan = plan_layers(model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, "error")
+    plan = plan_layers(model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, "fallback")
     start = time.perf_counter()
-    quantized, _ = quantize_model(model, arch, method, params, calib, "cpu", plan)
+    quantized, _ = quantize_model(model, arch, method, params, None if method == "rtn" else calib, "cpu", plan)
     wall = time.perf_counter() - start
-    with tempfile.TemporaryDirectory() as tmp:
-        export(model, quantized, model_dir, Path(tmp), quantization_config(params.format, params.bits, params.group_size, params.sym, [], {}))
-        size = dir_bytes(Path(tmp))
-        scores = evaluate(load_dequantized(tmp), tok, texts, params, method)
-    return {"scores": scores, "seconds": wall, "size_bytes": size, "format": params.format, "sym": params.sym}
+    qc = quantization_config(params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), _format_extra(method, params))
+    export(model, quantized, args.model, keep, qc)
+    scores = score(load_dequantized(keep), tok, texts, args)
+    info = {"seconds": wall, "size_bytes": dir_bytes(keep), "format": params.format, "sym": params.sym,
+            "unquantized_linears": sorted(plan.skipped), "export_dir": str(keep)}
+    if method == "gptq":
+        info["desc_act"] = params.desc_act
+    return info, scores
 
 
-def run_peers(args: argparse.Namespace, model_dir: Path, calib: Any, texts: dict) -> dict[str, Any]:
-    """llm-compressor in its own venv, on the same rows and texts."""
+def score(model: Any, tok: Any, texts: dict, args: argparse.Namespace) -> dict:
+    from quantize.evalstats import doc_scores
+
+    return {lang: doc_scores(model, tok, docs, args.eval_max_length, 8) for lang, docs in texts.items()}
+
+
+def run_llmcompressor(args: argparse.Namespace, calib: Any, ignore: list[str], tmp: Path) -> dict[str, Any]:
+    """llm-compressor GPTQ and AWQ in the peer venv on the same rows; returns its result.json."""
     import torch
 
-    if args.no_peers or not PEER_PYTHON.is_file():
-        print(f"peers skipped ({'--no-peers' if args.no_peers else f'{PEER_PYTHON} not found'})")
-        return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.pt"
-        torch.save({"model": str(model_dir), "calib": calib, "texts": texts, "bits": args.bits,
-                    "group_size": args.group_size, "eval_max_length": args.eval_max_length}, job)
-        res = subprocess.run([str(PEER_PYTHON), __file__, "--peer-worker", str(job)], text=True,
-                             capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        if res.returncode != 0:
-            print("peer worker failed:\n" + res.stderr[-3000:])
-            return {"error": res.stderr[-1500:]}
-        return json.loads((Path(tmp) / "job.json").read_text())
+    job = tmp / "job.pt"
+    torch.save({"model": str(args.model.resolve()), "calib": calib, "bits": args.bits, "group_size": args.group_size,
+                "methods": ["gptq", "awq"], "ignore": ignore, "threads": args.threads,
+                "gptq_actorder": "static" if args.gptq_act_order else None}, job)
+    res = subprocess.run([str(PEER_PYTHON), str(PEERS / "llmcompressor_quant.py"), str(job), str(tmp / "lc")],
+                         text=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if res.returncode != 0:
+        return {"error": res.stderr[-1500:]}
+    return json.loads((tmp / "lc" / "result.json").read_text())
 
 
-def peer_worker(job_path: Path) -> None:
-    """Runs inside the peer venv: llm-compressor GPTQ and AWQ, scored with warsha.evaluate."""
-    import torch
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.awq import AWQModifier
-    from llmcompressor.modifiers.quantization import GPTQModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def peer_load(export_dir: Path, method: str, group_size: int) -> dict[str, Any]:
+    """GPTQModel loads a Warsha export; its JSON report (or the failure)."""
+    out = RESULTS / f"peer_load-{method}-g{group_size}.json"
+    res = subprocess.run([str(PEER_PYTHON), str(PEERS / "gptqmodel_load.py"), str(export_dir), "--out", str(out)],
+                         text=True, capture_output=True, env={**os.environ, "GPTQMODEL_CPU_WORKERS": "2"})
+    if not out.is_file():
+        return {"error": res.stderr[-1500:]}
+    return json.loads(out.read_text())
 
-    from warsha.evaluate import likelihood
 
-    job = torch.load(job_path)
-    tok = AutoTokenizer.from_pretrained(job["model"])
-    rows = job["calib"]
-    data = Dataset.from_dict({"input_ids": rows.tolist(), "attention_mask": torch.ones_like(rows).tolist()})
-    scheme = {"gptq": "W4A16", "awq": "W4A16_ASYM"}
-    out: dict[str, Any] = {}
-    for name, modifier in (("llmcompressor-gptq", GPTQModifier), ("llmcompressor-awq", AWQModifier)):
-        model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
-        recipe = modifier(targets=["Linear"], scheme=scheme[name.split("-")[1]], ignore=["lm_head"])
-        start = time.perf_counter()
-        try:
-            oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=rows.shape[0],
-                    max_seq_length=rows.shape[1])
-        except Exception as exc:  # a peer failing on CPU is a result to report, not a crash
-            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+def compare(results: dict[str, Any], scores: dict[str, dict]) -> None:
+    """Relative perplexity increases with paired standard errors, in place."""
+    from quantize.evalstats import relative_increase
+
+    base = scores["unquantized"]
+    pairs = {"vs_rtn": "warsha-rtn"}
+    for name, r in results.items():
+        if name not in scores:
             continue
-        wall = time.perf_counter() - start
-        w = model.model.layers[0].self_attn.q_proj.weight.detach()
-        groups = w.reshape(w.shape[0], -1, job["group_size"])
-        levels = max(len(torch.unique(groups[r, g])) for r in range(4) for g in range(groups.shape[1]))
-        scores = {}
-        for lang, docs in job["texts"].items():
-            lk = likelihood(model, tok, docs, job["eval_max_length"], 8)
-            scores[lang] = {"perplexity": lk.perplexity, "bits_per_char": lk.bits_per_char, "tokens": lk.tokens}
-        out[name] = {"scores": scores, "seconds": wall, "size_bytes": None, "format": "compressed-tensors (in memory)",
-                     "max_levels_per_group": levels}  # <= 2**bits proves the weights were quantized
-    (job_path.with_suffix(".json")).write_text(json.dumps(out))
+        r["scores"] = {lang: s.as_dict() for lang, s in scores[name].items()}
+        if name == "unquantized":
+            continue
+        r["increase"] = {lang: relative_increase(s, base[lang]) for lang, s in scores[name].items()}
+        refs = dict(pairs)
+        peer = {"warsha-gptq": "llmcompressor-gptq", "warsha-awq": "llmcompressor-awq"}.get(name)
+        if peer:
+            refs["vs_peer"] = peer
+        for key, ref in refs.items():
+            if ref in scores and ref != name:
+                r[key] = {lang: relative_increase(s, scores[ref][lang]) for lang, s in scores[name].items()}
+        if peer and "seconds" in results.get(peer, {}):
+            r["seconds_vs_peer"] = r["seconds"] / results[peer]["seconds"]
 
 
 def table(results: dict[str, Any]) -> str:
-    base = results["unquantized"]["scores"]
-    langs = list(base)
-    head = ["method"] + [f"ppl {l}" for l in langs] + [f"+ppl {l}" for l in langs] + [f"bpc {l}" for l in langs] + ["seconds"]
+    langs = list(results["unquantized"]["scores"])
+    head = ["method"] + [f"ppl {l}" for l in langs] + [f"+ppl {l} (se)" for l in langs] + [f"vs RTN {l}" for l in langs]
+    head += [f"vs peer {l}" for l in langs] + ["seconds"]
+    fmt = lambda v: f"{100 * v[0]:+.2f}% ({100 * v[1]:.2f})"  # noqa: E731
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
-        if "scores" not in r:
-            lines.append(f"| {name} | failed: {r.get('error', '?')[:80]} |")
+        if name == "peer_environment":
             continue
-        s = r["scores"]
-        cells = [name] + [f"{s[l]['perplexity']:.3f}" for l in langs]
-        cells += [f"{s[l]['perplexity'] / base[l]['perplexity'] - 1:+.2%}" for l in langs]
-        cells += [f"{s[l]['bits_per_char']:.4f}" for l in langs] + [f"{r.get('seconds', 0):.1f}"]
+        if "scores" not in r:
+            lines.append(f"| {name} | failed: {str(r.get('error', '?'))[-120:]} |")
+            continue
+        cells = [name] + [f"{r['scores'][l]['perplexity']:.3f}" for l in langs]
+        for key in ("increase", "vs_rtn", "vs_peer"):
+            cells += [fmt(r[key][l]) if key in r else "" for l in langs]
+        cells.append(f"{r['seconds']:.1f}" if "seconds" in r else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     args = parse_args()
-    if args.peer_worker:
-        peer_worker(args.peer_worker)
-        return
     import torch
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantize.calib import calibration_ids, interleave
-    from quantize.run import evaluate, load_model
-    from quantize.stages import RTNParams
+    from quantize.run import load_model
     from warsha.data import DataConfig, load_corpus
 
-    corpus = load_corpus(DataConfig())
-    model_dir = args.model or train_default_model(RESULTS / "quant_bench_model", args.train_steps, args.train_batch, corpus)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    calib = calibration_ids(tok, interleave([corpus.texts("ar", "train"), corpus.texts("en", "train")], 0), args.n_samples, args.seq_len)
+    corpus = load_corpus(DataConfig(strip_diacritics=True, validation_fraction=0.02, test_fraction=0.02))
+    tok = AutoTokenizer.from_pretrained(args.model)
+    langs = args.calib_langs.split(",")
+    calib = calibration_ids(tok, interleave([corpus.texts(l, "train") for l in langs], 0), args.n_samples, args.seq_len)
     texts = {lang: corpus.texts(lang, "validation")[: args.eval_documents] for lang in ("ar", "en")}
-    eval_params = RTNParams(eval_max_length=args.eval_max_length)
-    results: dict[str, Any] = {"unquantized": {"scores": evaluate(load_model(model_dir, torch.float32), tok, texts, eval_params, "fp32")}}
-    for method in args.methods.split(","):
-        results[f"warsha-{method}"] = warsha_method(method, args, model_dir, calib, texts, tok)
-        print(f"{method}: {results[f'warsha-{method}']['seconds']:.1f} s")
-    results.update(run_peers(args, model_dir, calib, texts))
-    report = {"model": str(model_dir), "bits": args.bits, "group_size": args.group_size, "n_samples": args.n_samples,
-              "seq_len": args.seq_len, "eval_documents": args.eval_documents, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    results: dict[str, Any] = {"unquantized": {}}
+    scores = {"unquantized": score(load_model(args.model, torch.float32), tok, texts, args)}
+    with tempfile.TemporaryDirectory() as tmp_str:
+        tmp = Path(tmp_str)
+        for method in args.methods.split(","):
+            info, scores[f"warsha-{method}"] = warsha_method(method, args, calib, texts, tok, tmp / method)
+            results[f"warsha-{method}"] = info
+            print(f"warsha-{method}: {info['seconds']:.1f} s", flush=True)
+            if args.peer_load and method in ("gptq", "awq") and PEER_PYTHON.is_file():
+                info["peer_load"] = peer_load(tmp / method, method, args.group_size)
+        ignore = results.get("warsha-gptq", results.get("warsha-rtn", {})).get("unquantized_linears", [])
+        if args.no_peers or not PEER_PYTHON.is_file():
+            print(f"llm-compressor skipped ({'--no-peers' if args.no_peers else f'{PEER_PYTHON} not found'})")
+        else:
+            lc = run_llmcompressor(args, calib, ignore, tmp)
+            results["peer_environment"] = {k: v for k, v in lc.items() if k not in ("gptq", "awq")}
+            for method in ("gptq", "awq"):
+                r = lc.get(method, {"error": lc.get("error", "not run")})
+                results[f"llmcompressor-{method}"] = r
+                if "model_dir" in r:
+                    model = AutoModelForCausalLM.from_pretrained(r.pop("model_dir"), dtype=torch.float32).eval()
+                    scores[f"llmcompressor-{method}"] = score(model, tok, texts, args)
+                    print(f"llmcompressor-{method}: {r['seconds']:.1f} s", flush=True)
+    compare(results, scores)
+    report = {"model": str(args.model), "bits": args.bits, "group_size": args.group_size, "n_samples": args.n_samples,
+              "seq_len": args.seq_len, "calib_langs": langs, "eval_documents": args.eval_documents,
+              "eval_max_length": args.eval_max_length, "threads": args.threads, "gptq_act_order": args.gptq_act_order,
+              "increase_format": "[relative perplexity change, standard error over documents (paired)]",
+              "results": results}
+    out = args.out or RESULTS / f"quant_bench-g{args.group_size}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
     print(table(results))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -31,10 +31,11 @@ def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, skipped
             "desc_act": bool(extra.get("desc_act", False)), "checkpoint_format": "gptq", "lm_head": False,
         }
         qc.update({k: v for k, v in extra.items() if k != "desc_act"})
-        if skipped:  # gptqmodel/vLLM "dynamic": a leading "-:" excludes matching modules
-            qc["dynamic"] = {f"-:^{re.escape(name)}$": {} for name in skipped}
     else:
         qc = {"quant_method": "awq", "version": "gemm", "bits": bits, "group_size": group_size, "zero_point": not sym}
+    if skipped:  # gptqmodel/vLLM "dynamic": a leading "-:" excludes matching modules (gptqmodel
+        # ignores modules_to_not_convert, for AWQ too: without this it fails on the float linears)
+        qc["dynamic"] = {f"-:^{re.escape(name)}$": {} for name in skipped}
     qc["modules_to_not_convert"] = list(skipped) or None
     qc["meta"] = {"quantizer": ["warsha:0.1.0"]}  # gptqmodel/transformers keep tool versions here
     return qc

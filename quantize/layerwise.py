@@ -173,9 +173,27 @@ def rtn_method(spec: QuantSpec) -> Method:
 
 
 def _forward_all(layer: Any, calib: Calibration) -> None:
+    """Run the layer on every calibration batch; a hook may end a pass early with ``_Caught``."""
     with torch.no_grad():
         for h, kw in zip(calib.hidden, calib.kwargs):
-            layer(h, **kw)
+            try:
+                layer(h, **kw)
+            except _Caught:
+                pass
+
+
+def _hessian_hook(acc: HessianAccumulator) -> Callable[[Any, tuple], None]:
+    """Fold the linear's input into ``acc``, then stop the pass: nothing after it is needed.
+
+    Why stop: the q/k/v step needs only the normed input, the gate/up step only the attention
+    output; finishing the layer each time made GPTQ run about four full layer passes per layer.
+    """
+
+    def hook(_module: Any, args: tuple) -> None:
+        acc.add(args[0])
+        raise _Caught
+
+    return hook
 
 
 def gptq_method(arch: ArchSpec, spec: QuantSpec, opts: GPTQOptions) -> Method:
@@ -190,7 +208,7 @@ def gptq_method(arch: ArchSpec, spec: QuantSpec, opts: GPTQOptions) -> Method:
                 continue
             first = get_module(layer, step[0])
             acc = HessianAccumulator(first.in_features, first.weight.device)
-            handle = first.register_forward_pre_hook(lambda _m, args: acc.add(args[0]))
+            handle = first.register_forward_pre_hook(_hessian_hook(acc))
             try:
                 _forward_all(layer, calib)
             finally:

@@ -3,7 +3,10 @@
 Metrics (per evaluation language, on the corpus's validation split): perplexity and bits per
 character of the unquantized input, of the exported artifact (loaded back through the
 ``dequant`` reference, so the numbers describe what was written, not an in-memory model), the
-relative perplexity increase, and for AWQ/GPTQ the same figures for RTN on the same model.
+relative perplexity increase with its standard error over documents (paired: the same documents
+score both models), and for AWQ/GPTQ the same figures for RTN on the same model plus the paired
+difference against RTN (``vs_rtn``). A 4-bit change on a small model is a fraction of a percent,
+the size of the noise of a few thousand tokens: read every difference against its ``se``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from quantize.arch import ArchSpec, arch_for
 from quantize.awq import AWQOptions
 from quantize.calib import calibration_ids, interleave
+from quantize.evalstats import DocScores, doc_scores, relative_increase
 from quantize.export import export, quantization_config
 from quantize.gptq import GPTQOptions
 from quantize.layerwise import (
@@ -76,21 +80,31 @@ def quantize_model(
     return quantize_layers(model, arch, plan, fn, calib, device, method), info
 
 
-def evaluate(model: Any, tokenizer: Any, texts: dict[str, list[str]], params: Any, label: str, device: str = "cpu") -> dict[str, dict[str, float]]:
-    """Perplexity and bits per character per language (on ``device``, then back to the CPU)."""
-    from warsha.evaluate import likelihood
+def evaluate(model: Any, tokenizer: Any, texts: dict[str, list[str]], params: Any, label: str, device: str = "cpu") -> dict[str, DocScores]:
+    """Per-document likelihoods per language (on ``device``, then back to the CPU).
 
+    Kept per document so that every perplexity change comes with its standard error.
+    """
     out = {}
     model.to(device)
     for lang, docs in texts.items():
-        lk = likelihood(model, tokenizer, docs, params.eval_max_length, params.eval_batch_size, desc=f"{label} {lang}")
-        out[lang] = {"perplexity": lk.perplexity, "bits_per_char": lk.bits_per_char, "tokens": lk.tokens}
+        log.info("quantize: scoring %s on %d %s documents", label, len(docs), lang)
+        out[lang] = doc_scores(model, tokenizer, docs, params.eval_max_length, params.eval_batch_size, desc=f"{label} {lang}")
     model.to("cpu")
     return out
 
 
-def _relative(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, float]:
-    return {lang: after[lang]["perplexity"] / before[lang]["perplexity"] - 1 for lang in before}
+def _dicts(scores: dict[str, DocScores]) -> dict[str, dict[str, float]]:
+    return {lang: s.as_dict() for lang, s in scores.items()}
+
+
+def _relative(after: dict[str, DocScores], before: dict[str, DocScores]) -> dict[str, dict[str, float]]:
+    """Relative perplexity change per language and its paired standard error over documents."""
+    out = {}
+    for lang in before:
+        rel, se = relative_increase(after[lang], before[lang])
+        out[lang] = {"rel": rel, "se": se}
+    return out
 
 
 def dir_bytes(path: Path, pattern: str = "*.safetensors") -> int:
@@ -139,24 +153,31 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
     from quantize.dequant import load_dequantized
 
     after = evaluate(load_dequantized(ctx.out_dir, DTYPES[params.compute_dtype]), tokenizer, eval_texts, params, method, device)
+    increase = _relative(after, before)
     metrics: dict[str, Any] = {
         "method": method,
         "format": params.format,
-        "unquantized": before,
-        "quantized": after,
-        "perplexity_increase_rel": _relative(after, before),
+        "unquantized": _dicts(before),
+        "quantized": _dicts(after),
+        "perplexity_increase_rel": {lang: v["rel"] for lang, v in increase.items()},
+        "perplexity_increase_se": {lang: v["se"] for lang, v in increase.items()},
         "quantize_seconds": wall,
         "size_bytes": dir_bytes(ctx.out_dir),
         "input_size_bytes": dir_bytes(src),
         "quantized_linears": len(quantized),
         "unquantized_linears": plan.skipped,
+        "calibration_tokens": None if calib_ids is None else int(calib_ids.numel()),
     }
     metrics["compression"] = metrics["input_size_bytes"] / max(metrics["size_bytes"], 1)
     if "alphas" in info:
         metrics["awq_alpha_mean"] = sum(info["alphas"].values()) / max(len(info["alphas"]), 1)
     if method != "rtn" and params.compare_rtn:
-        metrics["rtn"] = _rtn_reference(src, arch, params, plan, device, tokenizer, eval_texts)
-        metrics["rtn_perplexity_increase_rel"] = _relative(metrics["rtn"], before)
+        rtn = _rtn_reference(src, arch, params, plan, device, tokenizer, eval_texts)
+        rtn_increase = _relative(rtn, before)
+        metrics["rtn"] = _dicts(rtn)
+        metrics["rtn_perplexity_increase_rel"] = {lang: v["rel"] for lang, v in rtn_increase.items()}
+        metrics["rtn_perplexity_increase_se"] = {lang: v["se"] for lang, v in rtn_increase.items()}
+        metrics["vs_rtn"] = _relative(after, rtn)  # paired: ppl(method) / ppl(RTN) - 1
     _log_summary(ctx, method, metrics)
     return metrics
 
@@ -167,7 +188,7 @@ def _format_extra(method: str, params: Any) -> dict[str, Any]:
     return {"desc_act": False}
 
 
-def _rtn_reference(src: Path, arch: ArchSpec, params: Any, plan: Plan, device: str, tokenizer: Any, texts: dict[str, list[str]]) -> dict[str, Any]:
+def _rtn_reference(src: Path, arch: ArchSpec, params: Any, plan: Plan, device: str, tokenizer: Any, texts: dict[str, list[str]]) -> dict[str, DocScores]:
     """RTN with the same grid on a fresh copy of the input (cheap: no calibration)."""
     model = load_model(src, DTYPES[params.compute_dtype])
     quantize_model(model, arch, "rtn", params, None, device, plan)
@@ -177,8 +198,9 @@ def _rtn_reference(src: Path, arch: ArchSpec, params: Any, plan: Plan, device: s
 def _log_summary(ctx: Any, method: str, m: dict[str, Any]) -> None:
     for lang, rel in m["perplexity_increase_rel"].items():
         line = (f"quantize.{method} [{lang}] perplexity {m['unquantized'][lang]['perplexity']:.3f} ->"
-                f" {m['quantized'][lang]['perplexity']:.3f} ({rel:+.2%})")
+                f" {m['quantized'][lang]['perplexity']:.3f} ({rel:+.2%} +- {m['perplexity_increase_se'][lang]:.2%})")
         if "rtn" in m:
-            line += f"; RTN {m['rtn'][lang]['perplexity']:.3f} ({m['rtn_perplexity_increase_rel'][lang]:+.2%})"
+            line += (f"; RTN {m['rtn'][lang]['perplexity']:.3f} ({m['rtn_perplexity_increase_rel'][lang]:+.2%});"
+                     f" vs RTN {m['vs_rtn'][lang]['rel']:+.2%} +- {m['vs_rtn'][lang]['se']:.2%}")
         ctx.log.info(line)
     ctx.log.info("quantize.%s: %.1f s, %.2f MB on disk (%.2fx smaller)", method, m["quantize_seconds"], m["size_bytes"] / 1e6, m["compression"])

@@ -131,7 +131,7 @@ def likelihood(
 
     with torch.inference_mode():
         for start in tqdm(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
-            total += _score_batch(model, jobs[start : start + batch_size], device)
+            total += float(row_nll(model, jobs[start : start + batch_size], device).sum())
     return Likelihood(
         nll_nats=total,
         tokens=sum(max(len(d) - 1, 0) for d in ids),
@@ -139,8 +139,14 @@ def likelihood(
     )
 
 
-def _score_batch(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], device: Any) -> float:
+def row_nll(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], device: Any) -> "torch.Tensor":
+    """float64 summed NLL (nats) of each window's scored targets, one right-padded forward.
+
+    Per row, not one total, so that callers can attribute the likelihood to documents (paired
+    standard errors in ``quantize.evalstats``); ``likelihood`` just adds the rows up.
+    """
     import torch
+    import torch.nn.functional as F
 
     width = max(end - begin for _, (begin, end, _) in jobs)
     input_ids = torch.zeros(len(jobs), width, dtype=torch.long)
@@ -154,17 +160,11 @@ def _score_batch(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]],
     logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()  # low-precision log-softmax over a large vocabulary loses bits
-    return _shifted_nll(logits, labels.to(device))
-
-
-def _shifted_nll(logits: "torch.Tensor", labels: "torch.Tensor") -> float:
-    import torch.nn.functional as F
-
     logp = F.log_softmax(logits[:, :-1], dim=-1)
-    target = labels[:, 1:]
+    target = labels[:, 1:].to(device)
     valid = target != -100
     picked = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return float(-(picked * valid).sum())
+    return (-(picked * valid).sum(dim=1)).double().cpu()
 
 
 def unigram_bits_per_char(train_ids: Sequence[Sequence[int]], texts: Sequence[str], tokenizer: Any) -> float:

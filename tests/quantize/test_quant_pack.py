@@ -135,3 +135,4 @@ def test_quantization_config_carries_the_keys_loaders_read() -> None:
     assert {k: awq[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {
         "quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 64, "zero_point": True}
     assert awq["modules_to_not_convert"] == ["model.layers.0.mlp.down_proj"]
+    assert list(awq["dynamic"]) == [r"-:^model\.layers\.0\.mlp\.down_proj$"]  # gptqmodel reads only this

@@ -64,6 +64,10 @@ def test_stage_runs_and_reports(make_ctx: Any, method: str, params: Any) -> None
         rel = m["perplexity_increase_rel"][lang]
         assert rel == pytest.approx(m["quantized"][lang]["perplexity"] / m["unquantized"][lang]["perplexity"] - 1)
         assert abs(rel) < 0.2  # a random tiny model barely moves; a packing bug would explode it
+        assert 0 < m["perplexity_increase_se"][lang] < 0.05
+        if method != "rtn":
+            vs = m["vs_rtn"][lang]["rel"]
+            assert vs == pytest.approx(m["quantized"][lang]["perplexity"] / m["rtn"][lang]["perplexity"] - 1)
     assert m["size_bytes"] < 0.6 * m["input_size_bytes"] and m["quantize_seconds"] > 0
     assert ("rtn" in m) == (method != "rtn")
 

@@ -1,0 +1,64 @@
+"""Per-document scores against warsha.evaluate.likelihood, and the standard error of a paired
+perplexity ratio against its sampling distribution."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantize.evalstats import DocScores, doc_scores, relative_increase
+
+
+def test_doc_scores_add_up_to_likelihood(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.quantize.quant_fixtures import synthetic_docs
+    from warsha.evaluate import likelihood
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    docs = synthetic_docs("en", 9, 3) + ["the prophet said " * 40]  # one document longer than a window
+    whole = likelihood(model, tok, docs, 64, 4)
+    per_doc = doc_scores(model, tok, docs, 64, 3)
+    assert int(per_doc.tokens.sum()) == whole.tokens
+    assert per_doc.perplexity == pytest.approx(whole.perplexity, rel=1e-5)
+    assert per_doc.bits_per_char == pytest.approx(whole.bits_per_char, rel=1e-5)
+    for i in (0, 9):
+        alone = likelihood(model, tok, [docs[i]], 64, 1)
+        assert float(per_doc.nll[i]) == pytest.approx(alone.nll_nats, rel=1e-4)
+
+
+def _population(n: int, g: torch.Generator) -> tuple[DocScores, DocScores]:
+    """Documents of varied length; model B is worse on average, with per-document noise."""
+    tokens = torch.randint(20, 300, (n,), generator=g)
+    a = tokens.double() * (3.0 + 0.5 * torch.rand(n, generator=g, dtype=torch.float64))
+    b = a + tokens.double() * (0.01 + 0.05 * torch.randn(n, generator=g, dtype=torch.float64))
+    return DocScores(b, tokens, 1), DocScores(a, tokens, 1)
+
+
+def test_standard_error_matches_the_sampling_spread() -> None:
+    """Draw many document samples: the spread of the estimate equals the reported error."""
+    g = torch.Generator().manual_seed(0)
+    pop_b, pop_a = _population(20000, g)
+    estimates, errors = [], []
+    for _ in range(400):
+        idx = torch.randint(0, 20000, (200,), generator=g)
+        b = DocScores(pop_b.nll[idx], pop_b.tokens[idx], 1)
+        a = DocScores(pop_a.nll[idx], pop_a.tokens[idx], 1)
+        rel, se = relative_increase(b, a)
+        estimates.append(rel)
+        errors.append(se)
+    spread = float(torch.tensor(estimates).std())
+    assert sum(errors) / len(errors) == pytest.approx(spread, rel=0.15)
+    truth = math.exp(float((pop_b.nll - pop_a.nll).sum() / pop_a.tokens.sum())) - 1
+    assert sum(estimates) / len(estimates) == pytest.approx(truth, abs=spread / 5)
+
+
+def test_relative_increase_refuses_different_documents() -> None:
+    a = DocScores(torch.ones(3, dtype=torch.float64), torch.tensor([1, 2, 3]), 3)
+    b = DocScores(torch.ones(3, dtype=torch.float64), torch.tensor([1, 2, 4]), 3)
+    with pytest.raises(ValueError, match="not over the same documents"):
+        relative_increase(a, b)

@@ -47,6 +47,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--answer-weight", type=float, default=5.0)
     ap.add_argument("--retrieval-fraction", type=float, default=0.5)
+    ap.add_argument("--copy-fraction", type=float, default=0.0, help="share of repeated-span copy rows")
+    ap.add_argument("--curriculum", type=float, default=0.0, help="share of steps ramping length up")
+    ap.add_argument("--lm-positions", type=float, default=1.0, help="share of corpus targets scored")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--warmup-steps", type=int, default=20)
+    ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--min-trials", type=int, default=40)
     ap.add_argument("--max-trials", type=int, default=400)
     ap.add_argument("--half-width", type=float, default=0.05)
@@ -63,6 +69,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from context_ext.extend import run
     from context_ext.stages import YarnParams
     from warsha.data import DataConfig, load_corpus
@@ -82,7 +92,9 @@ def main() -> None:
                        _corpus=corpus)
     params = YarnParams(method=args.method, factor=args.factor, steps=args.steps, batch_size=args.batch_size,
                         lr=args.lr, answer_weight=args.answer_weight, retrieval_fraction=args.retrieval_fraction,
-                        min_trials=args.min_trials, max_trials=args.max_trials, ci_half_width=args.half_width,
+                        copy_fraction=args.copy_fraction, curriculum=args.curriculum,
+                        lm_positions=args.lm_positions, warmup_steps=args.warmup_steps,
+                        checkpoint_every=args.checkpoint_every, min_trials=args.min_trials, max_trials=args.max_trials, ci_half_width=args.half_width,
                         lang=args.lang, ppl_documents=args.ppl_documents,
                         finetune_baselines=[m for m in args.finetune_baselines.split(",") if m],
                         baselines=[m for m in args.baselines.split(",") if m])

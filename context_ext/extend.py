@@ -105,12 +105,23 @@ def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batc
     trainer = Trainer(model, tp, ctx, batches, loss_fn=longdata.weighted_lm_loss, name=f"finetune-{method}")
     t0 = time.perf_counter()
     result = trainer.run()
-    summary = {**result.summary(), "train_time_s": time.perf_counter() - t0}
+    summary = {**result.summary(), "train_time_s": time.perf_counter() - t0,
+               "s_per_step": (time.perf_counter() - t0) / max(len(result.losses), 1),
+               "loss_curve": loss_curve(result.losses)}
     model = trainer.model.eval()
     if ctx.is_main:
         model.save_pretrained(done)
         (done / "summary.json").write_text(json.dumps(summary))
     return model, summary
+
+
+def loss_curve(losses: list[float], points: int = 50) -> list[float]:
+    """The per-step losses averaged into at most ``points`` buckets (kept in the metrics so a
+    flat curve, i.e. a fine-tune that did not learn, is visible without the tracker)."""
+    if not losses:
+        return []
+    size = max(1, -(-len(losses) // points))
+    return [sum(losses[i : i + size]) / len(losses[i : i + size]) for i in range(0, len(losses), size)]
 
 
 def save_output(ctx: "StageContext", model: Any, tokenizer: Any, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -170,9 +181,11 @@ def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
             name = suite.label(method, False)
             ctx.log.info("context_ext: evaluating %s", name)
             results[name] = _cached(cache / f"{name}.json", lambda m=method, n=name: suite.evaluate(
-                suite.load_variant(ctx.model_dir, plan.configs[m], p.eval_dtype), tokenizer, data, settings, n))
+                suite.load_variant(ctx.model_dir, plan.configs[m], _eval_dtype(p)), tokenizer, data, settings, n))
     batches = longdata.make_batches(tokenizer, corpus, lang, plan.target, p.batch_size, p.retrieval_fraction,
-                                    ctx.seed, avoid_depths=p.depths, answer_weight=p.answer_weight)
+                                    ctx.seed, avoid_depths=p.depths, answer_weight=p.answer_weight,
+                                    copy_fraction=p.copy_fraction, start_len=plan.original, steps=p.steps,
+                                    curriculum=p.curriculum, lm_positions=p.lm_positions)
     train: dict[str, Any] = {}
     check: dict[str, Any] = {}
     for method in [p.method, *[m for m in p.finetune_baselines if m in plan.configs]]:
@@ -182,9 +195,16 @@ def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
             check = save_output(ctx, model, tokenizer, plan.configs[method])
         ctx.log.info("context_ext: evaluating %s", name)
         results[name] = _cached(cache / f"{name}.json", lambda m=model, n=name: suite.evaluate(
-            m.to(_dtype(p.eval_dtype)), tokenizer, data, settings, n))
+            m.to(_dtype(_eval_dtype(p))), tokenizer, data, settings, n))
         del model
     return summarise(ctx, p, plan, results, train, check)
+
+
+def _eval_dtype(p: "YarnParams") -> str:
+    """The evaluation dtype's name: ``auto`` is bf16 only where the device computes it fast."""
+    from warsha.precision import dtype_name
+
+    return dtype_name(None, "auto") if p.eval_dtype == "auto" else p.eval_dtype
 
 
 def _dtype(name: str) -> Any:

@@ -40,11 +40,20 @@ class YarnParams:
     lr: float = field(default=5e-4, metadata=check(gt(0.0)))
     warmup_steps: int = field(default=20, metadata=check(ge(0)))
     checkpoint_every: int = field(default=50, metadata=check(ge(1)))
-    bf16: bool = True
+    bf16: bool | None = field(default=None, metadata=check(help="bf16 autocast; null: where it is fast"))
     retrieval_fraction: float = field(
         default=0.5, metadata=check(ge(0.0), le(1.0), help="share of training sequences that are passkey samples")
     )
     answer_weight: float = field(default=5.0, metadata=check(gt(0.0), help="loss weight of passkey answer tokens"))
+    copy_fraction: float = field(
+        default=0.0, metadata=check(ge(0.0), le(1.0), help="share of rows that repeat a filler span (copy targets)")
+    )
+    curriculum: float = field(
+        default=0.0, metadata=check(ge(0.0), le(1.0), help="share of steps spent ramping row length up from the original")
+    )
+    lm_positions: float = field(
+        default=1.0, metadata=check(gt(0.0), le(1.0), help="share of corpus-row targets scored (saves LM-head time)")
+    )
     finetune_baselines: list[Method] = field(
         default_factory=lambda: ["linear"], metadata=check(help="also fine-tune these with the same budget")
     )
@@ -60,7 +69,8 @@ class YarnParams:
     ci_half_width: float = field(default=0.05, metadata=check(gt(0.0), help="stop when the 95% CI is this narrow"))
     ppl_documents: int = field(default=2, metadata=check(ge(1)))
     eval_batch_tokens: int = field(default=4096, metadata=check(ge(16), help="tokens per eval forward pass"))
-    eval_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    eval_dtype: Literal["auto", "bfloat16", "float32"] = field(
+        default="auto", metadata=check(help="auto: bfloat16 where the device has fast bf16, else float32"))
     lang: str | None = field(default=None, metadata=check(help="text language; default the corpus target"))
 
     def validate(self) -> list[str]:
@@ -72,6 +82,11 @@ class YarnParams:
                     f"target_length: must be >= original_max_position_embeddings"
                     f" {self.original_max_position_embeddings}, got {self.target_length}"
                 )
+        if self.retrieval_fraction + self.copy_fraction > 1.0:
+            problems.append(
+                f"copy_fraction: retrieval_fraction + copy_fraction must be <= 1, got"
+                f" {self.retrieval_fraction} + {self.copy_fraction}"
+            )
         if self.min_trials > self.max_trials:
             problems.append(f"min_trials: must be <= max_trials {self.max_trials}, got {self.min_trials}")
         if any(not 0.0 < d < 1.0 for d in self.depths):

@@ -119,7 +119,10 @@ def test_training_batches_use_train_keys_and_are_reproducible(tok_and_model: tup
         tail = tok.decode(row[-6:]).strip()
         assert passkey.key_split(int(tail)) == "train"
         assert row[-6 - len(q) : -6] == q
-        assert w[-6:].tolist() == [3.0] * 6 and float(w[:-6].sum()) == 128 - 6
+        assert w[-6:].tolist() == [3.0] * 6
+        # outside the answer only the key's second mention in the needle is scored (4 digits)
+        marked = [i for i in range(128 - 6) if w[i] > 0]
+        assert len(marked) == 4 and [row[i] for i in marked] == row[-4:]
     heldout = set(longdata.heldout_texts(corpus, "en"))
     assert not heldout & set(longdata.train_texts(corpus, "en"))
 
@@ -142,3 +145,44 @@ def test_long_documents_reach_the_length(tok_and_model: tuple[Any, Any], corpus:
     with pytest.raises(ValueError, match="ppl_documents"):
         longdata.long_documents(tok, ["short text"], 2, 1000)
 
+
+
+def test_repeat_rows_mark_only_copyable_targets() -> None:
+    rng = random.Random(5)
+    filler = [rng.randrange(3, 1000) for _ in range(5000)]
+    for length in (64, 256, 1024):
+        ids, w = longdata.repeat_row(filler, length, random.Random(length), 1)
+        assert len(ids) == len(w) == length and ids[0] == 1
+        marked = [i for i, x in enumerate(w) if x > 0]
+        assert len(marked) > length // 2
+        span = next(s for s in range(1, length) if ids[1 : 1 + s] == ids[1 + s : 1 + 2 * s][: s])
+        for i in marked:  # each target and its predecessor occurred one span earlier
+            assert ids[i] == ids[i - span] and ids[i - 1] == ids[i - 1 - span]
+
+
+def test_curriculum_doubles_length_with_constant_tokens(tok_and_model: tuple[Any, Any], corpus: Any) -> None:
+    tok, _ = tok_and_model
+    b = longdata.make_batches(tok, corpus, "en", 1024, 2, 0.4, 0, copy_fraction=0.4, start_len=256, steps=100,
+                              curriculum=0.6, lm_positions=0.5, max_stream_tokens=200_000)
+    lengths = [b.length_at(s) for s in range(100)]
+    assert lengths[0] == 256 and lengths[-1] == 1024 and sorted(lengths) == lengths
+    assert set(lengths) == {256, 512, 1024} and lengths.index(1024) == 60
+    for step in (0, 30, 99):
+        batch = b(step, 0, 0)
+        assert batch["input_ids"].shape == (b.rows_at(step), b.length_at(step))
+        assert batch["input_ids"].numel() == 2 * 1024
+        assert torch.equal(batch["input_ids"], b(step, 0, 0)["input_ids"])  # pure function of the step
+
+
+def test_weighted_loss_on_selected_targets_matches_full_logits(tok_and_model: tuple[Any, Any]) -> None:
+    """Running the LM head only where weights are non-zero gives the full-logit loss."""
+    _, model = tok_and_model
+    ids = torch.randint(0, 1000, (3, 40))
+    weights = (torch.rand(3, 40) < 0.3).float() * torch.randint(1, 4, (3, 40))
+    weights[0, -3:] = 5.0
+    logits = model(input_ids=ids).logits[:, :-1].double()
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+    w = weights[:, 1:].reshape(-1).double()
+    ref = (nll * w).sum() / w.sum()
+    got = longdata.weighted_lm_loss(model, {"input_ids": ids, "loss_weights": weights})
+    assert float(got) == pytest.approx(float(ref), rel=1e-5)

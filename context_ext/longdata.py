@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from context_ext import passkey
+from warsha import synthetic
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +137,7 @@ class LongBatches:
                 rows.append(sample.input_ids)
                 weights.append(_mark_repeats(sample.input_ids, w, sample.answer_len))
             elif draw < self.retrieval_fraction + self.copy_fraction:
-                ids, w = repeat_row(self.filler, length, rng, self.fmt.tokenizer.bos_token_id)
+                ids, w = synthetic.repeat_row(self.filler, length, rng, self.fmt.tokenizer.bos_token_id)
                 rows.append(ids)
                 weights.append(w)
             else:
@@ -154,23 +155,6 @@ def _mark_repeats(ids: list[int], weights: list[float], answer_len: int) -> list
         for j in range(second + 2, second + answer_len):
             weights[j] = max(weights[j], 1.0)
     return weights
-
-
-def repeat_row(filler: Sequence[int], length: int, rng: random.Random, bos: int | None) -> tuple[list[int], list[float]]:
-    """BOS + a random filler span repeated to fill ``length``; every repeat after the first
-    is a copy target (weight 1), except its first token, which no copy can predict."""
-    span = rng.randint(max(8, length // 16), max(9, length // 3))
-    start = rng.randrange(len(filler) - span)
-    seg = list(filler[start : start + span])
-    ids = [bos if bos is not None else seg[0]]
-    weights = [0.0]
-    first = True
-    while len(ids) < length:
-        take = seg[: length - len(ids)]
-        weights += [0.0] * len(take) if first else [0.0] + [1.0] * (len(take) - 1)
-        ids += take
-        first = False
-    return ids, weights
 
 
 def make_batches(
@@ -205,32 +189,5 @@ def make_batches(
     )
 
 
-def weighted_lm_loss(model: Any, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-    """Next-token loss with per-target weights (``loss_weights[t]`` weighs predicting token t).
-
-    With every weight 1 this is the plain causal-LM loss. Weights above 1 on the passkey's
-    answer give the few tokens that carry the retrieval signal a voice; weight 0 drops a
-    target. The LM head runs only on targets with a non-zero weight: with a 48k vocabulary
-    it is four fifths of the tiny model's FLOPs, so scoring only the copy targets and the
-    answer makes a retrieval row several times cheaper than a full LM row.
-    """
-    import torch.nn.functional as F
-
-    ids = batch["input_ids"]
-    weights = batch["loss_weights"][:, 1:].to(ids.device)
-    # A DDP-wrapped model (``.module``) must be called as a whole, or its gradients never sync.
-    wrapped = hasattr(model, "module")
-    head = None if wrapped else model.get_output_embeddings()
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") and not wrapped else None
-    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    if head is None or decoder is None or softcap:
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
-        w = weights.reshape(-1).to(nll.dtype)
-        return (nll * w).sum() / w.sum()
-    hidden = decoder(input_ids=ids).last_hidden_state[:, :-1]
-    keep = weights > 0
-    logits = head(hidden[keep]).float()
-    nll = F.cross_entropy(logits, ids[:, 1:][keep], reduction="none")
-    w = weights[keep].to(nll.dtype)
-    return (nll * w).sum() / w.sum()
+# The fine-tune's loss is the core's weighted causal-LM loss (kept under this name for callers).
+from warsha.training import weighted_lm_loss  # noqa: E402,F401

@@ -40,6 +40,8 @@ class BootstrapParams:
     rope_theta: float = field(default=10000.0, metadata=check(gt(0.0)))
     tie_word_embeddings: bool = False
     arabic_share: float = field(default=0.01, metadata=check(ge(0.0), le(0.5), help="share of Arabic training tokens"))
+    copy_fraction: float = field(
+        default=0.0, metadata=check(ge(0.0), le(0.9), help="share of rows that repeat a text span (grows copy/induction heads)"))
     max_train_tokens: int = field(default=4_000_000, metadata=check(ge(1000)))
     eval_documents: int = field(default=300, metadata=check(ge(1)))
     tokenizer: str = field(default=DEFAULT_TOKENIZER, metadata=check(help="'mistral-common:<file>' or a .model path"))
@@ -121,7 +123,7 @@ def run(ctx: StageContext, p: BootstrapParams) -> dict[str, Any]:
 
     from warsha import distributed
     from warsha.sp_convert import sp_model_to_hf
-    from warsha.training import Trainer, random_windows
+    from warsha.training import Trainer
 
     torch.manual_seed(ctx.seed)
     if ctx.is_main:
@@ -133,8 +135,7 @@ def run(ctx: StageContext, p: BootstrapParams) -> dict[str, Any]:
     model = build_model(p, tokenizer)
     t = p.train
 
-    def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
-        return {"input_ids": random_windows(stream, t.batch_size, t.seq_len, ctx.seed, step, micro, rank)}
+    batch_fn = BootstrapBatches(stream, t.batch_size, t.seq_len, ctx.seed, p.copy_fraction, tokenizer.bos_token_id)
 
     t0 = time.perf_counter()
     trainer = Trainer(model, t, ctx, batch_fn, name="bootstrap")
@@ -149,6 +150,41 @@ def run(ctx: StageContext, p: BootstrapParams) -> dict[str, Any]:
         model.generation_config.max_length = p.max_position_embeddings
         model.save_pretrained(ctx.out_dir)
     return metrics
+
+
+@dataclass
+class BootstrapBatches:
+    """Corpus windows, ``copy_fraction`` of them replaced by rows that repeat a text span.
+
+    Why repeats in a base model: real bases retrieve from their context because the web repeats
+    itself; without copy rows the tiny model never learns it, and the passkey evaluation of the
+    context extension would measure nothing. Each batch is a pure function of (step, micro,
+    rank), so a resumed run sees the same data.
+    """
+
+    stream: Any
+    batch_size: int
+    seq_len: int
+    seed: int
+    copy_fraction: float
+    bos: int | None
+
+    def __call__(self, step: int, micro: int, rank: int) -> dict[str, Any]:
+        import torch
+
+        from warsha.synthetic import repeat_row
+        from warsha.training import random_windows
+
+        rows = random_windows(self.stream, self.batch_size, self.seq_len, self.seed, step, micro, rank)
+        if not self.copy_fraction:
+            return {"input_ids": rows}
+        rng = random.Random(f"bootstrap:{self.seed}:{step}:{micro}:{rank}")
+        weights = torch.ones(rows.shape)
+        for i in range(self.batch_size):
+            if rng.random() < self.copy_fraction:
+                ids, w = repeat_row(rows[i].tolist(), self.seq_len, rng, self.bos)
+                rows[i], weights[i] = torch.tensor(ids), torch.tensor(w)
+        return {"input_ids": rows, "loss_weights": weights}
 
 
 def evaluate_base(ctx: StageContext, p: BootstrapParams, model: Any, tokenizer: Any, stream: Any) -> dict[str, Any]:

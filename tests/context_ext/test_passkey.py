@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from context_ext import longdata, passkey
+from warsha import synthetic
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_repeat_rows_mark_only_copyable_targets() -> None:
     rng = random.Random(5)
     filler = [rng.randrange(3, 1000) for _ in range(5000)]
     for length in (64, 256, 1024):
-        ids, w = longdata.repeat_row(filler, length, random.Random(length), 1)
+        ids, w = synthetic.repeat_row(filler, length, random.Random(length), 1)
         assert len(ids) == len(w) == length and ids[0] == 1
         marked = [i for i, x in enumerate(w) if x > 0]
         assert len(marked) > length // 2

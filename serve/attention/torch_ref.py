@@ -7,7 +7,9 @@ SDPA on the fresh keys. Keys are gathered by whole blocks with `index_select` fr
 heads-first cache ([kv_heads, slots, head_dim]), which yields [kv_heads, B, L, head_dim] without
 a transpose copy; GQA query heads are grouped onto their KV head so K/V are never repeated.
 All index and mask arithmetic happens once per forward in `build_metadata`, never per layer and
-never per token in Python. Scores and softmax run in float32.
+never per token in Python. Scores and softmax run in float32. On a CPU without native bf16
+(`serve.cpu`) a bf16 cache is gathered and upcast, and both matmuls run in float32 (bf16 batched
+matmuls are emulated there, 3-15x slower); the output is rounded to bf16 once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from serve.attention.backend import SeqChunk
+from serve.cpu import upcast_bf16_default
 from serve.kv_cache import block_table_tensor, slots_for
 
 
@@ -87,6 +90,10 @@ class TorchPagedAttention:
 
     name = "torch"
 
+    def __init__(self, upcast_bf16: bool | None = None) -> None:
+        """`upcast_bf16`: compute bf16 attention in float32; None decides by the hardware."""
+        self.upcast_bf16 = upcast_bf16
+
     def build_metadata(self, chunks: list[SeqChunk], block_size: int) -> TorchAttentionMetadata:
         """Slot mapping for the new tokens and one gather plan per query-length group."""
         _check_layout(chunks)
@@ -144,11 +151,13 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """q [T, H, D] against one layer's paged cache [Hkv, slots, D]; returns [T, H, D]."""
         groups = metadata.groups
+        up = self.upcast_bf16
+        up = q.dtype == torch.bfloat16 and (upcast_bf16_default(q.dtype, q.device) if up is None else up)
         if len(groups) == 1 and groups[0].row_range == (0, q.shape[0]):
-            return self._group_forward(q, k_new, v_new, k_cache, v_cache, groups[0], scale).reshape(q.shape)
+            return self._group_forward(q, k_new, v_new, k_cache, v_cache, groups[0], scale, up).reshape(q.shape).to(q.dtype)
         out = torch.empty_like(q)
         for g in groups:
-            o = self._group_forward(q, k_new, v_new, k_cache, v_cache, g, scale).reshape(-1, *q.shape[1:])
+            o = self._group_forward(q, k_new, v_new, k_cache, v_cache, g, scale, up).reshape(-1, *q.shape[1:]).to(q.dtype)
             if g.row_range is not None:
                 out[g.row_range[0] : g.row_range[1]] = o
             else:
@@ -170,13 +179,16 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         g: AttentionGroup,
         scale: float,
+        upcast: bool = False,
     ) -> torch.Tensor:
-        """Attention for one group; output [B, Q, H, D]."""
-        qg = self._take(q, g)
+        """Attention for one group; output [B, Q, H, D] (float32 when `upcast`)."""
+        qg = self._take(q, g).float() if upcast else self._take(q, g)
         if g.block_ids is None:
+            kg, vg = self._take(k_new, g), self._take(v_new, g)
+            if upcast:
+                kg, vg = kg.float(), vg.float()
             o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), self._take(k_new, g).transpose(1, 2), self._take(v_new, g).transpose(1, 2),
-                is_causal=g.query_len > 1, scale=scale, enable_gqa=True,
+                qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=g.query_len > 1, scale=scale, enable_gqa=True,
             )
             return o.transpose(1, 2)
         kv_heads, _, dim = k_cache.shape
@@ -184,6 +196,8 @@ class TorchPagedAttention:
         group = heads // kv_heads
         keys = self._gather(k_cache, g)
         values = self._gather(v_cache, g)
+        if upcast:
+            keys, values = keys.float(), values.float()
         length = keys.shape[2]
         # [B, Q, Hkv, G, D] -> [Hkv, B, G*Q, D]: query heads grouped onto their KV head
         qh = qg.reshape(batch, q_len, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, batch, group * q_len, dim)

@@ -1,8 +1,11 @@
 """The CPU speed-ups must not change results: prepacked bf16 linears and the bf16 RMSNorm are
-bit-identical to their references; context-split attention groups match the slot-by-slot oracle.
+bit-identical to their references; context-split attention groups match the slot-by-slot oracle;
+bf16 linears and attention computed in float32 (CPUs without native bf16) are within one bf16
+rounding of a float64 reference, as a native bf16 kernel is.
 
 References are independent: `F.linear` on the plain weight, transformers' RMSNorm formula
-written out (upcast, mean of squares, rsqrt, downcast, weight), `paged_attention_reference`.
+written out (upcast, mean of squares, rsqrt, downcast, weight), `paged_attention_reference`,
+float64 matmuls.
 """
 
 from __future__ import annotations
@@ -25,10 +28,42 @@ def test_dense_linear_bf16_equals_f_linear(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)
     w = torch.randn(300, 96).bfloat16()
     b = torch.randn(300).bfloat16() if bias else None
-    lin = DenseLinear(w, b)
+    lin = DenseLinear(w, b, upcast=False)
     x = torch.randn(rows, 96).bfloat16()
     assert torch.equal(lin(x), F.linear(x, w, b))
     assert torch.equal(lin(x[None])[0], F.linear(x, w, b))  # 3-d input takes the plain path
+
+
+def _bf16_spacing(ref: torch.Tensor) -> torch.Tensor:
+    """Distance between adjacent bf16 values around `ref` (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) - 7)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_upcast_is_one_bf16_rounding_of_float64(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows + 100)
+    w = torch.randn(300, 96).bfloat16()
+    b = torch.randn(300).bfloat16() if bias else None
+    x = torch.randn(rows, 96).bfloat16()
+    got = DenseLinear(w, b, upcast=True)(x)
+    assert got.dtype == torch.bfloat16
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    # within one rounding of the exact result (a native bf16 GEMM promises no more)
+    assert bool(((got.double() - ref).abs() <= _bf16_spacing(ref)).all())
+    # and for most entries exactly the correctly rounded value
+    assert (got == ref.to(torch.bfloat16)).float().mean() > 0.99
+
+
+def test_dense_linear_upcast_switches_by_rows_for_large_weights() -> None:
+    w = torch.randn(64, 32).bfloat16()
+    lin = DenseLinear(w, upcast=True)
+    assert lin.upcast_min_rows == 1  # small weights: float32 at every row count
+    lin.upcast_min_rows = 8  # as for a weight larger than the cache (serve.cpu.upcast_min_rows)
+    few, many = torch.randn(3, 32).bfloat16(), torch.randn(9, 32).bfloat16()
+    assert torch.equal(lin(few), F.linear(few, w))  # memory-bound GEMV keeps the bf16 kernel
+    assert torch.equal(lin(many), F.linear(many.float(), w.float()).bfloat16())
+    assert DenseLinear(w.float(), upcast=True).weight32 is None  # float32 models are untouched
 
 
 def test_dense_linear_prepacks_bf16_only() -> None:
@@ -97,3 +132,33 @@ def test_many_decode_sequences_split_into_groups_match_dense() -> None:
     got = backend.forward(q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, dim**-0.5)
     ref = paged_attention_reference(q, kc, vc, chunks, bs, dim**-0.5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_attention_upcast_matches_float64_reference() -> None:
+    """bf16 cache and queries, decode and prefill groups (and a fresh causal chunk): the float32
+    path is within one bf16 rounding of float64 attention over the same bf16 values, and no
+    farther from it than the bf16 path."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    heads, kv_heads, dim, bs, num_blocks = 8, 2, 32, 4, 300
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    kc, vc = torch.randn(kv_heads, num_blocks * bs, dim).bfloat16(), torch.randn(kv_heads, num_blocks * bs, dim).bfloat16()
+    chunks, start = [], 0
+    for i in range(12):
+        ctx = rng.randint(20, 90)
+        q_len = ctx if i == 0 else (1 if i % 3 else rng.randint(2, 6))
+        table = [free.pop() for _ in range(-(-ctx // bs))]
+        chunks.append(SeqChunk(start, q_len, ctx, table))
+        start += q_len
+    q = torch.randn(start, heads, dim).bfloat16()
+    ref = paged_attention_reference(q.double(), kc.double(), vc.double(), chunks, bs, dim**-0.5)
+    errors = {}
+    for up in (True, False):
+        backend = TorchPagedAttention(upcast_bf16=up)
+        meta = backend.build_metadata(chunks, bs)
+        got = backend.forward(q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, dim**-0.5)
+        assert got.dtype == torch.bfloat16
+        errors[up] = (got.double() - ref).abs()
+    assert bool((errors[True] <= _bf16_spacing(ref) + 1e-6).all())
+    assert errors[True].mean() <= errors[False].mean()

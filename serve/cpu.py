@@ -1,0 +1,43 @@
+"""Whether this CPU computes bf16 matmuls natively, and where bf16 weights run in float32.
+
+Why: with AVX512-BF16 or AMX, bf16 GEMMs are fast and the serving engine runs bf16 end to end.
+On an AVX2-only CPU (AMD Zen 2/3, older Intel) PyTorch emulates them: measured on a 2-core
+Zen 3 (November 2026, one thread), a 64 x 1408 x 256 bf16 matmul took 9x the float32 time and a
+64-token, 32k-row LM head 5x; batched attention matmuls likewise. Only matrix-vector products
+of large weights (a batch-1 decode step) stay faster in bf16, because they are bound by memory
+traffic and bf16 halves it (a 32k x 1024 head: 18 ms bf16, 22 ms fp32; 5632 x 1024: 2.1 vs 2.5).
+
+So on such CPUs a bf16 model keeps bf16 weights, activations and KV cache, but its matmuls
+upcast to float32 (the bf16 values are exact in float32, products accumulate in float32 as a
+native bf16 GEMM does) and round the result back to bf16 once: the same rounding points as a
+bf16 model, far faster. This module is serve's own (serve never imports warsha).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# A weight up to this many elements (16 MB in float32) stays cache-resident: float32 wins at
+# any row count. Larger weights keep bf16 for fewer than UPCAST_MIN_ROWS rows (memory bound).
+CACHE_RESIDENT_ELEMENTS = 4 * 2**20
+UPCAST_MIN_ROWS = 8
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_matmul_is_fast() -> bool:
+    """True on a CPU with AVX512-BF16 or AMX tiles (native bf16 dot products)."""
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+
+
+def upcast_bf16_default(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Run bf16 matmuls in float32 here? Only bf16 on a CPU without native bf16 arithmetic."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_matmul_is_fast()
+
+
+def upcast_min_rows(weight_elements: int) -> int:
+    """Fewest input rows for which a linear with this many weight elements runs in float32."""
+    return 1 if weight_elements <= CACHE_RESIDENT_ELEMENTS else UPCAST_MIN_ROWS

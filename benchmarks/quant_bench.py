@@ -19,6 +19,9 @@ CPU, about 25-40 minutes on a shared 2-core machine (each evaluation of 2 x 300 
     .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 128
     .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 64 --no-peers
 
+``--methods rtn,rtn-asym,awq,gptq`` adds RTN on AWQ's asymmetric grid, the like-for-like
+baseline of both AWQs (column ``vs RTN-asym``); ``rtn`` is Warsha's default, symmetric.
+
 A linear the group size does not divide (the demo's down_proj has 704 inputs: 128 does not
 divide it) stays in float for every method, Warsha's and the peer's alike. Writes
 ``benchmarks/results/quant_bench-g<group>.json`` and prints a table. Never run in CI.
@@ -53,7 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--calib-langs", default="ar,en", help="calibration languages, interleaved by document")
     p.add_argument("--eval-documents", type=int, default=300, help="validation documents per language")
     p.add_argument("--eval-max-length", type=int, default=256)
-    p.add_argument("--methods", default="rtn,awq,gptq")
+    p.add_argument("--methods", default="rtn,awq,gptq",
+                   help="comma list of rtn, rtn-asym (RTN on AWQ's asymmetric grid: AWQ's like-for-like baseline), awq, gptq")
     p.add_argument("--gptq-act-order", action=argparse.BooleanOptionalAction, default=True,
                    help="act-order with static groups (llm-compressor's default 'static')")
     p.add_argument("--threads", type=int, default=1, help="1 is fastest on a busy 2-core machine")
@@ -70,6 +74,8 @@ def warsha_params(method: str, args: argparse.Namespace) -> Any:
     common = {"bits": args.bits, "group_size": args.group_size, "on_bad_group": "fallback", "eval_max_length": args.eval_max_length}
     if method == "rtn":
         return RTNParams(**common)
+    if method == "rtn-asym":
+        return RTNParams(**common, sym=False, format="awq" if args.bits == 4 else "gptq")
     calib = {"n_samples": args.n_samples, "seq_len": args.seq_len, "calib_langs": args.calib_langs.split(",")}
     if method == "awq":
         return AWQParams(**common, **calib, format="awq" if args.bits == 4 else "gptq")
@@ -92,9 +98,10 @@ def warsha_method(method: str, args: argparse.Namespace, calib: Any, texts: dict
     arch = arch_for(model.config.model_type)
     plan = plan_layers(model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, "fallback")
     start = time.perf_counter()
-    quantized, _ = quantize_model(model, arch, method, params, None if method == "rtn" else calib, "cpu", plan)
+    algo = "rtn" if method.startswith("rtn") else method
+    quantized, _ = quantize_model(model, arch, algo, params, None if algo == "rtn" else calib, "cpu", plan)
     wall = time.perf_counter() - start
-    qc = quantization_config(params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), _format_extra(method, params))
+    qc = quantization_config(params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), _format_extra(algo, params))
     export(model, quantized, args.model, keep, qc)
     scores = score(load_dequantized(keep), tok, texts, args)
     info = {"seconds": wall, "size_bytes": dir_bytes(keep), "format": params.format, "sym": params.sym,
@@ -149,6 +156,8 @@ def compare(results: dict[str, Any], scores: dict[str, dict]) -> None:
             continue
         r["increase"] = {lang: relative_increase(s, base[lang]) for lang, s in scores[name].items()}
         refs = dict(pairs)
+        if name in ("warsha-awq", "llmcompressor-awq"):
+            refs["vs_rtn_asym"] = "warsha-rtn-asym"  # the same asymmetric grid, no calibration
         peer = {"warsha-gptq": "llmcompressor-gptq", "warsha-awq": "llmcompressor-awq"}.get(name)
         if peer:
             refs["vs_peer"] = peer
@@ -161,8 +170,9 @@ def compare(results: dict[str, Any], scores: dict[str, dict]) -> None:
 
 def table(results: dict[str, Any]) -> str:
     langs = list(results["unquantized"]["scores"])
-    head = ["method"] + [f"ppl {l}" for l in langs] + [f"+ppl {l} (se)" for l in langs] + [f"vs RTN {l}" for l in langs]
-    head += [f"vs peer {l}" for l in langs] + ["seconds"]
+    keys = ["increase", "vs_rtn"] + (["vs_rtn_asym"] if any("vs_rtn_asym" in r for r in results.values()) else []) + ["vs_peer"]
+    titles = {"increase": "+ppl {} (se)", "vs_rtn": "vs RTN {}", "vs_rtn_asym": "vs RTN-asym {}", "vs_peer": "vs peer {}"}
+    head = ["method"] + [f"ppl {l}" for l in langs] + [titles[k].format(l) for k in keys for l in langs] + ["seconds"]
     fmt = lambda v: f"{100 * v[0]:+.2f}% ({100 * v[1]:.2f})"  # noqa: E731
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
@@ -172,7 +182,7 @@ def table(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | failed: {str(r.get('error', '?'))[-120:]} |")
             continue
         cells = [name] + [f"{r['scores'][l]['perplexity']:.3f}" for l in langs]
-        for key in ("increase", "vs_rtn", "vs_peer"):
+        for key in keys:
             cells += [fmt(r[key][l]) if key in r else "" for l in langs]
         cells.append(f"{r['seconds']:.1f}" if "seconds" in r else "")
         lines.append("| " + " | ".join(cells) + " |")

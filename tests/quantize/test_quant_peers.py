@@ -4,6 +4,8 @@ GPTQModel loads Warsha's GPTQ-v1 and AWQ-GEMM checkpoints with its own CPU kerne
 integer code it decodes must be the one Warsha wrote (``benchmarks/peers/gptqmodel_load.py``).
 llm-compressor quantizes the same tiny model through ``benchmarks/peers/llmcompressor_quant.py``
 (the driver ``benchmarks/quant_bench.py`` uses), and the result must be on a 4-bit grid.
+Given the same weight, Hessian and group grid, llm-compressor's GPTQ solver
+(``benchmarks/peers/llmcompressor_gptq_layer.py``) and Warsha's give the same codes.
 
 The peer venv is created by ``bash benchmarks/peers/make_venv.sh`` (default
 ``/work/venvs/peers``; ``WARSHA_PEER_PYTHON`` points elsewhere). Run with
@@ -121,3 +123,31 @@ def test_llmcompressor_driver_quantizes_on_cpu(model_dir: Path, tmp_path: Path) 
         model = AutoModelForCausalLM.from_pretrained(result[method]["model_dir"], dtype=torch.float32)
         w = model.model.layers[0].mlp.down_proj.weight.detach().reshape(-1, 32)
         assert max(len(torch.unique(row)) for row in w[:64]) <= 16  # what gets scored is on a 4-bit grid
+
+
+@pytest.mark.parametrize("group_size,in_f", [(128, 256), (32, 96)])
+def test_gptq_solver_equals_llmcompressors(tmp_path: Path, group_size: int, in_f: int) -> None:
+    """Same ``W``, ``H`` and static group grid: Warsha's act-order GPTQ and llm-compressor's
+    ``quantize_weight`` (run in its own venv) give the same quantized weight, code for code."""
+    from quantize.gptq import gptq_quantize
+    from quantize.quantizer import find_params
+
+    g = torch.Generator().manual_seed(group_size)
+    w = torch.randn(48, in_f, generator=g)
+    x = torch.randn(1024, in_f, generator=g) @ (torch.eye(in_f) + 0.3 * torch.randn(in_f, in_f, generator=g) / in_f**0.5)
+    x[:, :3] *= 20  # outlier channels: act-order moves them first
+    h = 2 * x.t() @ x / x.shape[0]
+    spec = QuantSpec(4, group_size, True)
+    scale = find_params(w.reshape(-1, group_size), spec)[0].reshape(w.shape[0], -1)
+    torch.save({"weight": w, "hessian": h, "scale": scale, "bits": 4, "group_size": group_size, "damp": 0.01,
+                "actorder": "static"}, tmp_path / "in.pt")
+    res = subprocess.run([str(PEER_PYTHON), str(ROOT / "benchmarks" / "peers" / "llmcompressor_gptq_layer.py"),
+                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    peer = torch.load(tmp_path / "out.pt")
+    assert not peer["rtn_fallback"]
+    ours = gptq_quantize(w, h, spec, GPTQOptions(damp=0.01, act_order=True, static_groups=True)).dequantize()
+    steps = (peer["weight"] - ours).abs() / scale.repeat_interleave(group_size, 1)
+    assert float((steps > 1e-3).float().mean()) <= 1e-3, f"{int((steps > 1e-3).sum())} codes differ"
+    objective = lambda q: float((x @ (w - q).t()).pow(2).mean())  # noqa: E731
+    assert objective(ours) == pytest.approx(objective(peer["weight"]), rel=1e-3)

@@ -26,6 +26,11 @@ Scenarios:
      With --draft-dir, a draft_vocab.json beside the draft (distill's draft_vocab_size) restricts
      its head as the engine does, and c is timed that way.
 
+On a CPU without native bf16 (AVX2 only; `serve.cpu`), Warsha's bf16 model keeps bf16 weights,
+activations and KV cache but runs its matmuls in float32 (rounded to bf16 once), while HF runs
+torch's emulated bf16 kernels: the results record `cpu_native_bf16` so that ratios from the two
+kinds of machine are not mixed up.
+
 Targets the team aims for are printed as ratios and never asserted. `--threads` defaults to 1:
 on a shared 2-core machine extra OpenMP threads mostly wait on each other, and every engine
 runs with the same setting. Results go to benchmarks/results/serve_bench-<time>.json.
@@ -51,6 +56,7 @@ import torch  # noqa: E402
 
 from serve import LLM, SamplingParams  # noqa: E402
 from serve.attention import SeqChunk  # noqa: E402
+from serve.cpu import bf16_matmul_is_fast  # noqa: E402
 from serve.model import ForwardBatch, LlamaModel  # noqa: E402
 from serve.stats import percentile  # noqa: E402
 from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab  # noqa: E402
@@ -462,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = set(args.scenarios.split(","))
     small = args.model_dir or build_random_model(args.workdir / "small", "small")
     medium = None if args.no_medium or args.model_dir else build_random_model(args.workdir / "medium", "medium")
-    results: dict[str, Any] = {"threads": args.threads, "repeats": REPEATS, "quick": args.quick, "model_dir": str(small), "torch": torch.__version__}
+    results: dict[str, Any] = {"threads": args.threads, "repeats": REPEATS, "quick": args.quick, "model_dir": str(small), "torch": torch.__version__,
+                               "cpu_native_bf16": bf16_matmul_is_fast()}
     if "a" in scenarios:
         results["a"] = scenario_a(small, args)
     if "b" in scenarios:

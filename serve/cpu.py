@@ -20,9 +20,11 @@ import functools
 import torch
 
 # A weight up to this many elements (16 MB in float32) stays cache-resident: float32 wins at
-# any row count. Larger weights keep bf16 for fewer than UPCAST_MIN_ROWS rows (memory bound).
+# any row count. A larger one keeps the bf16 kernel for a single row (memory bound); from
+# UPCAST_MIN_ROWS rows on, float32 (oneDNN-packed) wins: 5 rows x 5632 x 1024 took 3.2 ms
+# against 6.1 ms in bf16.
 CACHE_RESIDENT_ELEMENTS = 4 * 2**20
-UPCAST_MIN_ROWS = 8
+UPCAST_MIN_ROWS = 2
 
 
 @functools.lru_cache(maxsize=1)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from serve.attention import SeqChunk, TorchPagedAttention, paged_attention_reference
 from serve.attention.torch_ref import split_by_context
 from serve.model import rms_norm
-from serve.quant import DenseLinear
+from serve.quant import PACKED_MAX_ROWS, DenseLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 37])
@@ -39,7 +39,7 @@ def _bf16_spacing(ref: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) - 7)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("rows", [1, 3, 37, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_dense_linear_upcast_is_one_bf16_rounding_of_float64(rows: int, bias: bool) -> None:
     torch.manual_seed(rows + 100)
@@ -49,8 +49,10 @@ def test_dense_linear_upcast_is_one_bf16_rounding_of_float64(rows: int, bias: bo
     got = DenseLinear(w, b, upcast=True)(x)
     assert got.dtype == torch.bfloat16
     ref = F.linear(x.double(), w.double(), b.double() if bias else None)
-    # within one rounding of the exact result (a native bf16 GEMM promises no more)
-    assert bool(((got.double() - ref).abs() <= _bf16_spacing(ref)).all())
+    # within one rounding of the exact result (a native bf16 GEMM promises no more), plus float32
+    # accumulation error where the sum cancels to nearly zero
+    accumulation = 96 * 2.0**-24 * F.linear(x.double().abs(), w.double().abs())
+    assert bool(((got.double() - ref).abs() <= _bf16_spacing(ref) + accumulation).all())
     # and for most entries exactly the correctly rounded value
     assert (got == ref.to(torch.bfloat16)).float().mean() > 0.99
 
@@ -59,21 +61,11 @@ def test_dense_linear_upcast_switches_by_rows_for_large_weights() -> None:
     w = torch.randn(64, 32).bfloat16()
     lin = DenseLinear(w, upcast=True)
     assert lin.upcast_min_rows == 1  # small weights: float32 at every row count
-    lin.upcast_min_rows = 8  # as for a weight larger than the cache (serve.cpu.upcast_min_rows)
-    few, many = torch.randn(3, 32).bfloat16(), torch.randn(9, 32).bfloat16()
-    assert torch.equal(lin(few), F.linear(few, w))  # memory-bound GEMV keeps the bf16 kernel
-    assert torch.equal(lin(many), F.linear(many.float(), w.float()).bfloat16())
+    lin.upcast_min_rows = 2  # as for a weight larger than the cache (serve.cpu.upcast_min_rows)
+    one, many = torch.randn(1, 32).bfloat16(), torch.randn(PACKED_MAX_ROWS + 1, 32).bfloat16()
+    assert torch.equal(lin(one), F.linear(one, w))  # memory-bound GEMV keeps the bf16 kernel
+    assert torch.equal(lin(many), F.linear(many.float(), w.float()).bfloat16())  # MKL above the packed range
     assert DenseLinear(w.float(), upcast=True).weight32 is None  # float32 models are untouched
-
-
-def test_dense_linear_prepacks_bf16_only() -> None:
-    w = torch.randn(64, 32)
-    if torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_supported():
-        assert DenseLinear(w.bfloat16()).packed is not None  # oneDNN's bf16 reorder needs AVX512 (or AVX-NE-CONVERT)
-    lin = DenseLinear(w)
-    assert lin.packed is None  # fp32 keeps MKL's path: fp32 outputs stay transformers' exactly
-    x = torch.randn(5, 32)
-    assert torch.equal(lin(x), F.linear(x, w))
 
 
 def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -61,7 +61,8 @@ def test_dense_linear_upcast_switches_by_rows_for_large_weights() -> None:
     w = torch.randn(64, 32).bfloat16()
     lin = DenseLinear(w, upcast=True)
     assert lin.upcast_min_rows == 1  # small weights: float32 at every row count
-    lin.upcast_min_rows = 2  # as for a weight larger than the cache (serve.cpu.upcast_min_rows)
+    assert DenseLinear(w, upcast=True, working_set=10**8).upcast_min_rows == 2  # a model past the cache
+    lin.upcast_min_rows = 2
     one, many = torch.randn(1, 32).bfloat16(), torch.randn(PACKED_MAX_ROWS + 1, 32).bfloat16()
     assert torch.equal(lin(one), F.linear(one, w))  # memory-bound GEMV keeps the bf16 kernel
     assert torch.equal(lin(many), F.linear(many.float(), w.float()).bfloat16())  # MKL above the packed range

@@ -4,7 +4,7 @@ Why: with AVX512-BF16 or AMX, bf16 GEMMs are fast and the serving engine runs bf
 On an AVX2-only CPU (AMD Zen 2/3, older Intel) PyTorch emulates them: measured on a 2-core
 Zen 3 (November 2026, one thread), a 64 x 1408 x 256 bf16 matmul took 9x the float32 time and a
 64-token, 32k-row LM head 5x; batched attention matmuls likewise. Only matrix-vector products
-of large weights (a batch-1 decode step) stay faster in bf16, because they are bound by memory
+(a batch-1 decode step) stay faster in bf16, because they are bound by memory
 traffic and bf16 halves it (a 32k x 1024 head: 18 ms bf16, 22 ms fp32; 5632 x 1024: 2.1 vs 2.5).
 
 So on such CPUs a bf16 model keeps bf16 weights, activations and KV cache, but its matmuls
@@ -19,11 +19,10 @@ import functools
 
 import torch
 
-# Weights up to this many elements (16 MB in float32; for a model, all its layers' weights,
-# which a step reads in turn) stay cache-resident: float32 wins at any row count. Larger keep the bf16 kernel for a single row (memory bound); from
-# UPCAST_MIN_ROWS rows on, float32 (oneDNN-packed) wins: 5 rows x 5632 x 1024 took 3.2 ms
-# against 6.1 ms in bf16.
-CACHE_RESIDENT_ELEMENTS = 4 * 2**20
+# A single row (batch-1 decode) keeps the bf16 kernel: a matrix-vector product is bound by
+# memory traffic, which bf16 halves (in the engine, even the 256-wide layers of a small model ran
+# 8% faster per token that way); from UPCAST_MIN_ROWS rows on, float32 (oneDNN-packed) wins: 5
+# rows x 5632 x 1024 took 3.2 ms against 6.1 ms in bf16.
 UPCAST_MIN_ROWS = 2
 
 
@@ -39,7 +38,3 @@ def upcast_bf16_default(dtype: torch.dtype, device: torch.device | str = "cpu") 
     """Run bf16 matmuls in float32 here? Only bf16 on a CPU without native bf16 arithmetic."""
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_matmul_is_fast()
 
-
-def upcast_min_rows(weight_elements: int) -> int:
-    """Fewest input rows for which a linear runs in float32, given the weight elements read per step."""
-    return 1 if weight_elements <= CACHE_RESIDENT_ELEMENTS else UPCAST_MIN_ROWS

@@ -69,17 +69,16 @@ class ForwardBatch:
 
 
 def _fused_linear(state: dict[str, torch.Tensor], names: list[str], config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device = torch.device("cpu"), working_set: int = 0) -> Linear:
+                  device: torch.device = torch.device("cpu")) -> Linear:
     """One linear for projections sharing an input: concatenated dense weights or int4 parts
-    (torch's CPU int4 kernel on CPU, the Triton int4 GEMM elsewhere). `working_set`: weight
-    elements all layers read per step (decides whether float32 copies stay cache-resident)."""
+    (torch's CPU int4 kernel on CPU, the Triton int4 GEMM elsewhere)."""
     biases = [state.get(f"{n}.bias") for n in names]
     bias = torch.cat([b.to(dtype) for b in biases]) if all(b is not None for b in biases) else None
     if f"{names[0]}.qweight" not in state:
         missing = [n for n in names if f"{n}.weight" not in state]
         if missing:
             raise KeyError(f"checkpoint lacks {missing[0]}.weight (nor a GPTQ qweight); is it a Llama-family model?")
-        return DenseLinear(torch.cat([state[f"{n}.weight"].to(dtype) for n in names]), bias, working_set=working_set)
+        return DenseLinear(torch.cat([state[f"{n}.weight"].to(dtype) for n in names]), bias)
     if config.quant is None:
         raise ValueError(f"{names[0]}.qweight found but config.json has no quantization_config; the checkpoint is inconsistent")
     q = config.quant
@@ -134,7 +133,6 @@ class LlamaModel:
         self.lm_head = self.embed if head is None else head.to(dtype)
         self.head = DenseLinear(self.lm_head)  # prepacked on CPU bf16: the head is the largest matmul
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: vocabulary id of each logit column
-        self._working_set = sum(v.numel() for k, v in state.items() if k.startswith("model.layers.") and k.endswith("_proj.weight"))
         self.layers = [self._layer(state, i) for i in range(config.num_layers)]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         self.scale = config.head_dim**-0.5
@@ -150,12 +148,11 @@ class LlamaModel:
         """Fuse layer `i`'s projections."""
         p = f"model.layers.{i}."
         attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-        args = (self.config, self.dtype, self.device, self._working_set)
         return LayerWeights(
-            qkv=_fused_linear(state, attn, *args),
-            o=_fused_linear(state, [f"{p}self_attn.o_proj"], *args),
-            gate_up=_fused_linear(state, [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], *args),
-            down=_fused_linear(state, [f"{p}mlp.down_proj"], *args),
+            qkv=_fused_linear(state, attn, self.config, self.dtype, self.device),
+            o=_fused_linear(state, [f"{p}self_attn.o_proj"], self.config, self.dtype, self.device),
+            gate_up=_fused_linear(state, [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], self.config, self.dtype, self.device),
+            down=_fused_linear(state, [f"{p}mlp.down_proj"], self.config, self.dtype, self.device),
             input_norm=state[f"{p}input_layernorm.weight"].to(self.dtype),
             post_attention_norm=state[f"{p}post_attention_layernorm.weight"].to(self.dtype),
         )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.cpu import upcast_bf16_default, upcast_min_rows
+from serve.cpu import UPCAST_MIN_ROWS, upcast_bf16_default
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 PACKED_MAX_ROWS = 128  # float32 oneDNN-packed path of DenseLinear (measured: MKL is as fast above)
@@ -187,16 +187,14 @@ class DenseLinear:
     """y = x W^T (+ b) for a plain weight, callable like Int4Linear.
 
     bf16 on CPU runs prepacked where oneDNN can; on a CPU without native bf16 (`serve.cpu`) a
-    float32 copy of the weight serves every call with enough rows (see `upcast_min_rows`): the
+    float32 copy of the weight serves every call of UPCAST_MIN_ROWS rows or more: the
     input is upcast exactly, accumulated in float32 and rounded to bf16 once; 2 to
     PACKED_MAX_ROWS rows go through a oneDNN-prepacked float32 copy. The copies cost 4x the bf16
     weight's memory and make prefill, batched decode and verification 2-9x faster there.
-    `upcast=None` decides by the hardware; True/False force it (tests). `working_set`: weight
-    elements read per step together with this one (a model's layers): past the cache, a single
-    row keeps the bf16 kernel, which moves half the bytes.
+    `upcast=None` decides by the hardware; True/False force it (tests).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None, working_set: int = 0) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features, self.in_features = weight.shape
@@ -207,7 +205,7 @@ class DenseLinear:
         self.weight32 = self.weight.float() if upcast else None
         self.bias32 = bias.float() if upcast and bias is not None else None
         self.packed32 = _mkldnn_pack(self.weight32, allow_float32=True, batch_hint=5) if upcast else None
-        self.upcast_min_rows = upcast_min_rows(max(self.weight.numel(), working_set))
+        self.upcast_min_rows = UPCAST_MIN_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear in the weight's dtype (float32 compute or the prepacked weight where they apply)."""

@@ -1,7 +1,8 @@
 """AWQ (Lin et al., 2023): protect the weights that meet large activations.
 
 For each scaling group of a decoder layer (arch.py: a norm or linear feeding some linears), a
-per-input-channel scale ``s = mean|x|^alpha`` (normalised to geometric mean 1) is divided out of
+per-input-channel scale ``s = mean|x|^alpha`` (by default divided by the fed weights' in-group
+salience to the power ``1 - alpha``: duo scaling), normalised to geometric mean 1, is divided out of
 the feeder and multiplied into the fed linears, which leaves the float model unchanged but lets
 salient channels use more of the integer grid. ``alpha`` is chosen on a grid of 20 values in
 [0, 1) by the MSE of the inspected block's output with the fed linears fake-quantized. Then each
@@ -31,6 +32,7 @@ class AWQOptions:
     max_shrink: float = 0.5
     clip_tokens: int = 512
     clip: bool = True
+    duo_scaling: bool = True
 
 
 def _fake_quant(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -50,6 +52,7 @@ def search_scale(
     linears hold at the time. Returns (scales, best alpha, best loss relative to alpha = 0).
     """
     act = x.reshape(-1, x.shape[-1]).abs().float().mean(0)
+    w_mean = weight_salience(linears, spec.group_size) if opts.duo_scaling else None
     with torch.no_grad():
         reference = inspect().float()
         originals = [fc.weight.data.clone() for fc in linears]
@@ -57,8 +60,7 @@ def search_scale(
         first_loss = None
         for k in range(opts.n_grid):
             alpha = k / opts.n_grid
-            s = act.pow(alpha).clamp(min=1e-4)
-            s = s / (s.max() * s.min()).sqrt()
+            s = candidate_scale(act, w_mean, alpha)
             for fc, w in zip(linears, originals):
                 fc.weight.data = (_fake_quant(w.float() * s, spec) / s).to(w.dtype)
             loss = float((inspect().float() - reference).pow(2).mean())
@@ -68,6 +70,28 @@ def search_scale(
         for fc, w in zip(linears, originals):
             fc.weight.data = w
     return best[2], best[1], best[0] / max(first_loss or 1.0, 1e-30)
+
+
+def weight_salience(linears: list[torch.nn.Linear], group_size: int) -> torch.Tensor:
+    """Mean over the fed linears' rows of |w| relative to its group's max, per input channel.
+
+    Why: a channel whose weights are already small within their groups loses the most to
+    rounding; dividing the activation statistic by this ("duo" scaling, as llm-compressor's
+    AWQ does by default) lets one grid trade activation and weight salience.
+    """
+    w = torch.cat([fc.weight.detach().float() for fc in linears], dim=0)
+    rows, cols = w.shape
+    g = group_size if group_size > 0 and cols % group_size == 0 else cols
+    grouped = w.abs().reshape(rows, cols // g, g)
+    rel = grouped / (grouped.amax(dim=-1, keepdim=True) + 1e-6)
+    return rel.reshape(rows, cols).mean(0)
+
+
+def candidate_scale(act: torch.Tensor, w_mean: torch.Tensor | None, alpha: float) -> torch.Tensor:
+    """``act^a`` (or ``act^a / w_mean^(1-a)`` with duo scaling), normalised to geometric-ish mean 1."""
+    s = act.pow(alpha) if w_mean is None else act.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
 
 
 def apply_scale(prev: torch.nn.Module, prev_kind: str, linears: list[torch.nn.Linear], s: torch.Tensor) -> None:

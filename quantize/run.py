@@ -76,7 +76,7 @@ def quantize_model(
     else:
         alphas: dict[str, float] = {}
         info["alphas"] = alphas
-        fn = awq_method(arch, spec, AWQOptions(params.n_grid, params.max_shrink, clip=params.clip), alphas)
+        fn = awq_method(arch, spec, AWQOptions(params.n_grid, params.max_shrink, clip=params.clip, duo_scaling=params.duo_scaling), alphas)
     return quantize_layers(model, arch, plan, fn, calib, device, method), info
 
 

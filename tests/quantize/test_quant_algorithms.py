@@ -163,3 +163,43 @@ def test_awq_clip_search_lowers_output_error() -> None:
     err_clip = (x @ (w - quantize_rtn(fc.weight.data, spec).dequantize()).t()).pow(2).mean()
     err_rtn = (x @ (w - quantize_rtn(w, spec).dequantize()).t()).pow(2).mean()
     assert err_clip < err_rtn
+
+
+def test_weight_salience_matches_a_loop() -> None:
+    from quantize.awq import weight_salience
+
+    g = torch.Generator().manual_seed(4)
+    fcs = [torch.nn.Linear(16, n, bias=False) for n in (3, 5)]
+    for fc in fcs:
+        fc.weight.data = torch.randn(fc.weight.shape, generator=g, dtype=torch.float32)
+    got = weight_salience(fcs, 8)
+    rows = [r for fc in fcs for r in fc.weight.data.double().tolist()]
+    for c in range(16):
+        vals = []
+        for r in rows:
+            group = r[(c // 8) * 8 : (c // 8) * 8 + 8]
+            vals.append(abs(r[c]) / (max(abs(v) for v in group) + 1e-6))
+        assert float(got[c]) == pytest.approx(sum(vals) / len(vals), rel=1e-5)
+
+
+@pytest.mark.parametrize("duo", [False, True])
+def test_awq_search_returns_the_best_candidate_of_its_family(duo: bool) -> None:
+    from quantize.awq import candidate_scale, weight_salience
+
+    x = _correlated_inputs(256, 64, seed=3)
+    fc = torch.nn.Linear(64, 32, bias=False)
+    spec = QuantSpec(4, 32, False)
+    opts = AWQOptions(duo_scaling=duo)
+    s, alpha, _ = search_scale(x, [fc], lambda: fc(x), spec, opts)
+    act = x.reshape(-1, 64).abs().float().mean(0)
+    w_mean = weight_salience([fc], 32) if duo else None
+    assert torch.allclose(s, candidate_scale(act, w_mean, alpha))
+    ref = fc(x).detach()
+    w = fc.weight.data.clone()
+
+    def err(scale: torch.Tensor) -> float:  # brute force: output MSE with the scaled, rounded weight
+        deq = quantize_rtn(w * scale, spec).dequantize() / scale
+        return float((x @ deq.t() - ref).pow(2).mean())
+
+    best = min(err(candidate_scale(act, w_mean, k / opts.n_grid)) for k in range(opts.n_grid))
+    assert err(s) == pytest.approx(best, rel=1e-5)

@@ -1,7 +1,7 @@
 """AWQ (Lin et al., 2023): protect the weights that meet large activations.
 
 For each scaling group of a decoder layer (arch.py: a norm or linear feeding some linears), a
-per-input-channel scale ``s = mean|x|^alpha`` (by default divided by the fed weights' in-group
+per-input-channel scale ``s = mean|x|^alpha`` (optionally divided by the fed weights' in-group
 salience to the power ``1 - alpha``: duo scaling), normalised to geometric mean 1, is divided out of
 the feeder and multiplied into the fed linears, which leaves the float model unchanged but lets
 salient channels use more of the integer grid. ``alpha`` is chosen on a grid of 20 values in
@@ -32,7 +32,7 @@ class AWQOptions:
     max_shrink: float = 0.5
     clip_tokens: int = 512
     clip: bool = True
-    duo_scaling: bool = True
+    duo_scaling: bool = False
 
 
 def _fake_quant(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

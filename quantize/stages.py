@@ -77,7 +77,8 @@ class AWQParams(CalibratedParams):
     n_grid: int = field(default=20, metadata=check(ge(2), help="alpha values tried in [0, 1)"))
     max_shrink: float = field(default=0.5, metadata=check(gt(0.0), le(0.9), help="largest clipping shrink of the max"))
     clip: bool = field(default=True, metadata=check(help="search per-group clipping thresholds"))
-    duo_scaling: bool = field(default=True, metadata=check(help="scale by activation and weight salience (llm-compressor's default)"))
+    duo_scaling: bool = field(default=False, metadata=check(
+        help="also divide by in-group weight salience (llm-compressor's default; measured worse here: en +0.24% vs +0.15%)"))
     n_samples: int = field(default=64, metadata=check(ge(1), help="calibration rows"))
 
 

@@ -168,7 +168,7 @@ def _train_qlora(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: 
 
     tied = bool(getattr(AutoConfig.from_pretrained(weights), "tie_word_embeddings", False))
     model = qlora.load(weights, new_ids, tied, p.lora_r, p.lora_alpha, p.lora_dropout, p.double_quant,
-                       p.full_embeddings)
+                       p.full_embeddings, bf16=p.train.bf16)
     trainable, total = qlora.trainable_count(model)
     trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", eval_fn=eval_fn)
     result = trainer.run()

@@ -33,7 +33,7 @@ def check_shapes(model_dir: Path) -> None:
 
 
 def load(model_dir: Path, new_ids: list[int], tied: bool, r: int, alpha: int, dropout: float,
-         double_quant: bool, full_embeddings: bool) -> Any:
+         double_quant: bool, full_embeddings: bool, bf16: bool | None = None) -> Any:
     """The 4-bit base wrapped in a LoRA model with the new rows (or matrices) trainable."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -42,7 +42,7 @@ def load(model_dir: Path, new_ids: list[int], tied: bool, r: int, alpha: int, dr
     check_shapes(model_dir)
     from warsha.precision import compute_dtype
 
-    dtype = compute_dtype(None, "auto")  # bf16 only where it is fast (float32 on AVX2-only CPUs)
+    dtype = compute_dtype(bf16, "auto")  # the training's choice; by default bf16 only where it is fast
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",

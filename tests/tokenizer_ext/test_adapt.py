@@ -26,7 +26,7 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
     from transformers import AutoTokenizer
 
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
-    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1, "eval_every": 1}), compare_base=False, eval_docs=1,
+    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1, "eval_every": 1, "bf16": True}), compare_base=False, eval_docs=1,
                     eval_max_length=32, gen_tokens=0, train_docs=20)
     m = adapt.run(ctx, p)
     curve = m["extended"]["bits_per_char_curve"]

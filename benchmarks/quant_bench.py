@@ -19,8 +19,9 @@ CPU, about 25-40 minutes on a shared 2-core machine (each evaluation of 2 x 300 
     .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 128
     .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 64 --no-peers
 
-``--methods rtn,rtn-asym,awq,gptq`` adds RTN on AWQ's asymmetric grid, the like-for-like
-baseline of both AWQs (column ``vs RTN-asym``); ``rtn`` is Warsha's default, symmetric.
+``--methods rtn,rtn-asym,awq,awq-noclip,gptq`` adds RTN on AWQ's asymmetric grid, the like-for-like
+baseline of both AWQs (column ``vs RTN-asym``; ``rtn`` is Warsha's default, symmetric), and
+Warsha's AWQ without its clipping search (llm-compressor's AWQ has none).
 
 A linear the group size does not divide (the demo's down_proj has 704 inputs: 128 does not
 divide it) stays in float for every method, Warsha's and the peer's alike. Writes
@@ -77,8 +78,8 @@ def warsha_params(method: str, args: argparse.Namespace) -> Any:
     if method == "rtn-asym":
         return RTNParams(**common, sym=False, format="awq" if args.bits == 4 else "gptq")
     calib = {"n_samples": args.n_samples, "seq_len": args.seq_len, "calib_langs": args.calib_langs.split(",")}
-    if method == "awq":
-        return AWQParams(**common, **calib, format="awq" if args.bits == 4 else "gptq")
+    if method.startswith("awq"):  # awq-noclip: the scale search alone, as llm-compressor's AWQ does
+        return AWQParams(**common, **calib, format="awq" if args.bits == 4 else "gptq", clip=method != "awq-noclip")
     return GPTQParams(**common, **calib, desc_act=args.gptq_act_order, static_groups=True)
 
 
@@ -98,7 +99,7 @@ def warsha_method(method: str, args: argparse.Namespace, calib: Any, texts: dict
     arch = arch_for(model.config.model_type)
     plan = plan_layers(model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, "fallback")
     start = time.perf_counter()
-    algo = "rtn" if method.startswith("rtn") else method
+    algo = "rtn" if method.startswith("rtn") else method.split("-")[0]
     quantized, _ = quantize_model(model, arch, algo, params, None if algo == "rtn" else calib, "cpu", plan)
     wall = time.perf_counter() - start
     qc = quantization_config(params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), _format_extra(algo, params))
@@ -156,9 +157,9 @@ def compare(results: dict[str, Any], scores: dict[str, dict]) -> None:
             continue
         r["increase"] = {lang: relative_increase(s, base[lang]) for lang, s in scores[name].items()}
         refs = dict(pairs)
-        if name in ("warsha-awq", "llmcompressor-awq"):
+        if name.startswith("warsha-awq") or name == "llmcompressor-awq":
             refs["vs_rtn_asym"] = "warsha-rtn-asym"  # the same asymmetric grid, no calibration
-        peer = {"warsha-gptq": "llmcompressor-gptq", "warsha-awq": "llmcompressor-awq"}.get(name)
+        peer = {"warsha-gptq": "llmcompressor-gptq", "warsha-awq": "llmcompressor-awq", "warsha-awq-noclip": "llmcompressor-awq"}.get(name)
         if peer:
             refs["vs_peer"] = peer
         for key, ref in refs.items():

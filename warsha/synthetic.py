@@ -3,8 +3,10 @@
 Why: retrieval over a long context (passkey) is an induction skill: find the earlier occurrence
 of the current text and continue it. Real base models acquire it from the repetition in
 billions of web tokens; a small model trained for minutes never does. A row that repeats one
-span of natural text makes most of its tokens copy targets, and a few hundred such rows grow
-the circuit (measured in the ``context_ext`` tests and the demo's passkey table).
+span of natural text makes most of its tokens copy targets: the densest copy signal per token.
+Measured on the demo model (19M parameters, about 1M training tokens): 400 bootstrap steps with
+a quarter of the rows like this did not grow the circuit (top-1 on copy targets stayed equal to
+top-1 on first occurrences), so the recipe leaves them off; the option stays for larger runs.
 """
 
 from __future__ import annotations

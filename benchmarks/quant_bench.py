@@ -19,9 +19,9 @@ CPU, about 25-40 minutes on a shared 2-core machine (each evaluation of 2 x 300 
     .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 128
     .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 64 --no-peers
 
-``--methods rtn,rtn-asym,awq,awq-noclip,gptq`` adds RTN on AWQ's asymmetric grid, the like-for-like
-baseline of both AWQs (column ``vs RTN-asym``; ``rtn`` is Warsha's default, symmetric), and
-Warsha's AWQ without its clipping search (llm-compressor's AWQ has none).
+``--methods rtn,rtn-asym,awq,awq-noclip,gptq`` adds RTN on AWQ's asymmetric grid, the
+like-for-like baseline of both AWQs (column ``vs RTN-asym``; ``rtn`` is Warsha's default,
+symmetric), and Warsha's AWQ without its clipping search (llm-compressor's AWQ has none).
 
 A linear the group size does not divide (the demo's down_proj has 704 inputs: 128 does not
 divide it) stays in float for every method, Warsha's and the peer's alike. Writes

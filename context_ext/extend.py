@@ -78,13 +78,20 @@ def _cached(path: Path, compute: Any) -> dict[str, Any]:
     return value
 
 
-def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int) -> suite.EvalData:
-    """Held-out filler and perplexity documents (validation + test splits only)."""
+def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int, source_lang: str | None = None) -> suite.EvalData:
+    """Held-out filler and perplexity documents (validation + test splits only).
+
+    ``source_lang``: also held-out text of the corpus's other language, for the short-context
+    check there (a fine-tune on one language can silently cost the other).
+    """
     texts = longdata.heldout_texts(corpus, lang)
     half = len(texts) // 2
     filler = filler_stream(tokenizer, texts[:half] or texts)
     ppl = longdata.long_documents(tokenizer, texts[half:] or texts, n_docs, 2 * max(plan.lengths))
-    return suite.EvalData(PasskeyFormat(tokenizer), filler, ppl)
+    source: list[str] = []
+    if source_lang and source_lang != lang:
+        source = longdata.long_documents(tokenizer, longdata.heldout_texts(corpus, source_lang), 1, 2 * max(plan.short_lengths))
+    return suite.EvalData(PasskeyFormat(tokenizer), filler, ppl, source)
 
 
 def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batches: Any) -> tuple[Any, dict[str, Any]]:
@@ -171,7 +178,16 @@ def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(ctx.model_dir)
     corpus = ctx.corpus()
     lang = p.lang or corpus.config.target_lang
-    data = eval_data(tokenizer, corpus, lang, plan, p.ppl_documents)
+    other = corpus.config.source_lang if lang == corpus.config.target_lang else corpus.config.target_lang
+    if not (corpus.texts(other, "validation") or corpus.texts(other, "test")):
+        other = None  # a one-language corpus: nothing else to keep
+    data = eval_data(tokenizer, corpus, lang, plan, p.ppl_documents, other)
+    # built before any evaluation, so a corpus that cannot feed the fine-tune fails in seconds
+    batches = longdata.make_batches(tokenizer, corpus, lang, plan.target, p.batch_size, p.retrieval_fraction,
+                                    ctx.seed, avoid_depths=p.depths, answer_weight=p.answer_weight,
+                                    copy_fraction=p.copy_fraction, start_len=plan.original, steps=p.steps,
+                                    curriculum=p.curriculum, lm_positions=p.lm_positions,
+                                    source_lang=other, source_fraction=p.source_fraction)
     settings = suite.EvalSettings(plan.lengths, plan.short_lengths, list(p.depths), p.min_trials,
                                   p.max_trials, p.ci_half_width, p.eval_batch_tokens, ctx.seed)
     cache = ctx.checkpoint_dir / "eval"
@@ -182,10 +198,6 @@ def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
             ctx.log.info("context_ext: evaluating %s", name)
             results[name] = _cached(cache / f"{name}.json", lambda m=method, n=name: suite.evaluate(
                 suite.load_variant(ctx.model_dir, plan.configs[m], _eval_dtype(p)), tokenizer, data, settings, n))
-    batches = longdata.make_batches(tokenizer, corpus, lang, plan.target, p.batch_size, p.retrieval_fraction,
-                                    ctx.seed, avoid_depths=p.depths, answer_weight=p.answer_weight,
-                                    copy_fraction=p.copy_fraction, start_len=plan.original, steps=p.steps,
-                                    curriculum=p.curriculum, lm_positions=p.lm_positions)
     train: dict[str, Any] = {}
     check: dict[str, Any] = {}
     for method in [p.method, *[m for m in p.finetune_baselines if m in plan.configs]]:
@@ -217,8 +229,9 @@ def summarise(ctx: "StageContext", p: "YarnParams", plan: Plan, results: dict[st
               train: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
     """Metrics dict, markdown table and plot (the latter two written into the output dir)."""
     short = suite.short_context_ratios(results, plan.short_lengths) if "none" in results else {}
+    short_source = suite.short_context_ratios(results, plan.short_lengths, "perplexity_source") if "none" in results else {}
     if ctx.is_main:
-        md = report.table(results, plan.lengths, short, plan.original)
+        md = report.table(results, plan.lengths, short, plan.original, short_source)
         (ctx.out_dir / "context_ext.md").write_text(f"# Context extension ({p.method}, factor {plan.factor:g})\n\n{md}")
         report.plot(results, plan.lengths, plan.original, ctx.out_dir / "context_ext.png")
     main = suite.label(p.method, True)
@@ -233,6 +246,7 @@ def summarise(ctx: "StageContext", p: "YarnParams", plan: Plan, results: dict[st
         "short_lengths": plan.short_lengths,
         main: headline,
         "short_context_ratio": short,
+        "short_context_ratio_other_language": short_source,
         "results": results,
         "train": train,
         "written_config": check,

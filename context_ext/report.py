@@ -12,18 +12,23 @@ def _passkey_cell(cell: dict[str, Any]) -> str:
 
 
 def table(results: dict[str, dict[str, Any]], lengths: Sequence[int], short: dict[str, dict[str, float]],
-          original: int) -> str:
-    """One markdown table: passkey accuracy with its 95% interval, perplexity, short-context ratio."""
+          original: int, short_other: dict[str, dict[str, float]] | None = None) -> str:
+    """One markdown table: passkey accuracy with its 95% interval, perplexity, short-context ratios
+    (in the fine-tune's language and, when given, in the corpus's other language)."""
     mult = [f"{n / original:g}x" for n in lengths]
     short_keys = sorted({k for v in short.values() for k in v}, key=int)
+    other = short_other or {}
+    other_keys = sorted({k for v in other.values() for k in v}, key=int)
     head = (["method"] + [f"passkey {m} ({n})" for m, n in zip(mult, lengths)]
-            + [f"ppl {m}" for m in mult] + [f"short ppl / none @{k}" for k in short_keys])
+            + [f"ppl {m}" for m in mult] + [f"short ppl / none @{k}" for k in short_keys]
+            + [f"other language short ppl / none @{k}" for k in other_keys])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
         row = [name]
         row += [_passkey_cell(r["passkey"][str(n)]) for n in lengths]
         row += [f"{r['perplexity'][str(n)]:.2f}" for n in lengths]
         row += [f"{short[name][k]:.3f}" for k in short_keys]
+        row += [f"{other[name][k]:.3f}" if name in other else "-" for k in other_keys]
         lines.append("| " + " | ".join(row) + " |")
     note = ("\nPasskey: exact greedy match of a 5-digit key at depths "
             "10-90%, 95% Wilson interval in brackets; ppl: sliding-window perplexity on held-out "

@@ -54,6 +54,8 @@ class YarnParams:
     lm_positions: float = field(
         default=1.0, metadata=check(gt(0.0), le(1.0), help="share of corpus-row targets scored (saves LM-head time)")
     )
+    source_fraction: float = field(default=0.0, metadata=check(
+        ge(0.0), le(0.9), help="share of corpus tokens from the corpus's other language, so the fine-tune does not erase it"))
     finetune_baselines: list[Method] = field(
         default_factory=lambda: ["linear"], metadata=check(help="also fine-tune these with the same budget")
     )

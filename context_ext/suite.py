@@ -49,6 +49,7 @@ class EvalData:
     fmt: passkey.PasskeyFormat
     filler: list[int]
     ppl_texts: list[str]
+    source_texts: list[str] = field(default_factory=list)  # the other language, scored at short lengths
 
 
 def variant_config(base_cfg: dict[str, Any], method: str, factor: float, original: int | None,
@@ -91,14 +92,26 @@ def evaluate(model: Any, tokenizer: Any, data: EvalData, s: EvalSettings, desc: 
         lk = likelihood(model, tokenizer, data.ppl_texts, length, batch_size=s.batch_for(length),
                         desc=f"{desc} ppl@{length}")
         out["perplexity"][str(length)] = lk.perplexity
+    if data.source_texts:
+        out["perplexity_source"] = {}
+        for length in s.short_lengths:
+            lk = likelihood(model, tokenizer, data.source_texts, length, batch_size=s.batch_for(length),
+                            desc=f"{desc} source ppl@{length}")
+            out["perplexity_source"][str(length)] = lk.perplexity
     out["peak_rss_gb"] = peak_rss_gb()
     return out
 
 
-def short_context_ratios(results: dict[str, dict[str, Any]], short_lengths: Sequence[int]) -> dict[str, dict[str, float]]:
-    """Each method's perplexity at short lengths divided by the unscaled model's (1.03 = +3%)."""
-    ref = results["none"]["perplexity"]
+def short_context_ratios(results: dict[str, dict[str, Any]], short_lengths: Sequence[int],
+                         key: str = "perplexity") -> dict[str, dict[str, float]]:
+    """Each method's perplexity at short lengths divided by the unscaled model's (1.03 = +3%).
+
+    ``key="perplexity_source"``: the same for the corpus's other language (empty when absent).
+    """
+    if key not in results["none"]:
+        return {}
+    ref = results["none"][key]
     return {
-        name: {str(n): r["perplexity"][str(n)] / ref[str(n)] for n in short_lengths}
-        for name, r in results.items()
+        name: {str(n): r[key][str(n)] / ref[str(n)] for n in short_lengths}
+        for name, r in results.items() if key in r
     }

@@ -187,3 +187,25 @@ def test_weighted_loss_on_selected_targets_matches_full_logits(tok_and_model: tu
     ref = (nll * w).sum() / w.sum()
     got = longdata.weighted_lm_loss(model, {"input_ids": ids, "loss_weights": weights})
     assert float(got) == pytest.approx(float(ref), rel=1e-5)
+
+
+def test_source_fraction_mixes_the_other_languages_train_text(tok_and_model: tuple[Any, Any], corpus: Any) -> None:
+    """``source_fraction`` of the corpus tokens come from the other language's train split."""
+    import re
+
+    tok, _ = tok_and_model
+    plain = longdata.make_batches(tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000)
+    mixed = longdata.make_batches(tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000,
+                                  source_lang="en", source_fraction=0.4)
+    def latin_share(ids: Any) -> float:
+        text = tok.decode(ids.tolist())
+        letters = re.findall(r"[A-Za-z\u0600-\u06FF]", text)
+        return sum(c.isascii() for c in letters) / max(len(letters), 1)
+    assert latin_share(plain.stream) < 0.05
+    n_ar = len(mixed.stream) - int(3000 * 0.4)
+    assert torch.equal(mixed.stream[: n_ar], plain.stream[: n_ar])  # the target text is the same
+    assert latin_share(mixed.stream[n_ar:]) > 0.95
+    assert len(mixed.stream) == len(plain.stream)
+    same = longdata.make_batches(tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000, source_lang="ar",
+                                 source_fraction=0.4)
+    assert torch.equal(same.stream, plain.stream)  # the target language is not its own source

@@ -16,7 +16,7 @@ from tests.context_ext.conftest import llama_config_dict, make_ctx
 FAST = {
     "factor": 2.0, "steps": 3, "batch_size": 2, "checkpoint_every": 2, "bf16": False, "lr": 1e-3,
     "min_trials": 10, "max_trials": 10, "eval_multiples": [1.0, 2.0, 4.0], "ppl_documents": 1,
-    "baselines": ["none", "ntk"], "finetune_baselines": ["linear"], "lang": "en",
+    "baselines": ["none", "ntk"], "finetune_baselines": ["linear"], "lang": "en", "source_fraction": 0.3,
 }
 
 
@@ -75,10 +75,14 @@ def test_metrics_table_and_plot(extended: Path) -> None:
             assert cell["trials"] == 10 and 0 <= cell["ci95"][0] <= cell["accuracy"] <= cell["ci95"][1] <= 1
             assert r["perplexity"][n] > 1
     assert m["short_context_ratio"]["none"] == {"32": 1.0, "64": 1.0}
+    other = m["short_context_ratio_other_language"]  # Arabic: the corpus's other language
+    assert set(other) == set(m["results"]) and other["none"] == {"32": 1.0, "64": 1.0}
+    assert all(0 < v < 10 for r in other.values() for v in r.values())
     assert m["train"]["YaRN+ft"]["steps_run"] == 3 and m["train"]["PI+ft"]["steps_run"] == 3
     assert m["written_config"]["inv_freq_max_abs_diff"] < 1e-6
     table = (extended / "context_ext.md").read_text()
     assert "| YaRN+ft |" in table and "| PI+ft |" in table and "passkey 4x (256)" in table
+    assert "other language short ppl / none @64" in table
     assert (extended / "context_ext.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

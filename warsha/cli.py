@@ -93,7 +93,7 @@ def _quiet_environment() -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate, plan, then run (or print the plan)."""
-    from warsha import pipeline
+    from warsha import distributed, pipeline
     from warsha.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -105,6 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     pipeline.check_writable(root)
     pipeline.Runner(recipe, root, force=args.force).run(steps, select)
+    distributed.shutdown()  # on success only: a barrier after one rank failed would hang the rest
     print_summary(steps)
     return 0
 

@@ -37,6 +37,22 @@ def init(device: str) -> None:
     PartialState(cpu=cpu)
 
 
+def shutdown() -> None:
+    """Wait for every process, then tear the process group down before the interpreter exits.
+
+    Why: a gloo group left to interpreter shutdown sometimes aborts a rank with "terminate called
+    without an active exception" after all work is done (seen in the two-process CPU test), and
+    the launcher then reports the whole run as failed.
+    """
+    if world_size() <= 1:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     """Wait for every process (no-op when single-process)."""
     if world_size() <= 1:

@@ -38,3 +38,6 @@ except RuntimeError:
     caught = True
 (root / f"rank{os.environ['RANK']}.json").write_text(
     json.dumps({"world": state.num_processes, "same_ok": same, "divergence_caught": caught}))
+from warsha import distributed  # noqa: E402
+
+distributed.shutdown()  # as `warsha run` does: no gloo teardown left to interpreter exit

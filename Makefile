@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	@# torch first, alone: any other order lets a dependency pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[demo,dev]'
+	@# serve's AVX2 kernels compile once here (~30 s; cached, rebuilt on change); no compiler: torch's kernels
+	$(PY) -m serve.cpu_kernels
 	@touch $(STAMP)
 
 demo: setup

@@ -71,13 +71,16 @@ class LLM:
         draft_vocab_size: int | None = None,
         attention_backend: str | None = None,
         device: str = "cpu",
+        int4_activations: str = "int8",
     ) -> None:
         """`draft_vocab_size`: None uses the draft's `draft_vocab.json` as written, N keeps its
         N most frequent ids, 0 ignores the file (full head). `attention_backend`: None picks by
         device (torch on CPU); "triton" forces the Triton kernels (on CPU only under
         TRITON_INTERPRET=1, which is how the tests run the engine on them). `device="cuda"` puts
         weights and KV cache on the GPU with the Triton kernels; sampling stays on the host.
-        The CUDA path has only been run through Triton's interpreter on CPU, never on a GPU."""
+        The CUDA path has only been run through Triton's interpreter on CPU, never on a GPU.
+        `int4_activations` ("int8" or "float"): how int4 checkpoints multiply small batches on
+        CPU (see `serve.model.LlamaModel`)."""
         if draft_vocab_size is not None and draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {draft_vocab_size}")
         self._draft_vocab_size = draft_vocab_size
@@ -86,7 +89,7 @@ class LLM:
         self.tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         self._device = device
         self._backend = get_backend(device, prefer=attention_backend)
-        target = LlamaModel.load(model_dir, torch_dtype, self._backend, device)
+        target = LlamaModel.load(model_dir, torch_dtype, self._backend, device, int4_activations)
         draft = self._load_draft(draft_dir, torch_dtype) if draft_dir is not None else None
         self.max_model_len = self._resolve_max_len(max_model_len)
         num_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_gb, block_size, torch_dtype, draft, max_num_seqs)

@@ -12,7 +12,9 @@ w = (q - 8) * scale + zero' with groups of contiguous input features. Rewriting 
 scale * (q - zero) = (q - 8) * scale + scale * (8 - zero), so zero' = scale * (8 - zero).
 Act-order checkpoints (g_idx not sorted) are served by permuting input features so each group
 becomes contiguous; the activations are permuted the same way at run time. The kernel wants
-bf16 activations (fp32 is ~40x slower), so it always runs in bf16.
+bf16 activations (fp32 is ~40x slower), so it always runs in bf16. Batches of up to
+`cpu_kernels.MAX_ROWS` rows (decode, verification) run serve's own AVX2 kernels instead, from a
+second copy of the weight in their layout (`KERNELS.md`): torch's is compute-bound there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serve import cpu_kernels
 from serve.cpu import UPCAST_MIN_ROWS, upcast_bf16_default
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
@@ -132,7 +135,8 @@ def can_fuse(parts: list[Int4Parts]) -> bool:
 class Int4Linear:
     """y = x W^T (+ b) with W held as packed int4 for torch's CPU kernel."""
 
-    def __init__(self, parts: list[Int4Parts], bias: torch.Tensor | None = None) -> None:
+    def __init__(self, parts: list[Int4Parts], bias: torch.Tensor | None = None, use_kernels: bool | None = None,
+                 int8_activations: bool = True) -> None:
         if not can_fuse(parts):
             raise ValueError("Int4Linear: parts with different act-order permutations cannot be fused")
         q = torch.cat([p.q for p in parts], dim=1)
@@ -144,15 +148,25 @@ class Int4Linear:
         zeros = torch.cat([p.zeros for p in parts], dim=1)
         self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
         self.bias = bias
+        # small batches (decode, verification) take serve's AVX2 kernel: float32 scales, one pass
+        # over the weights for up to cpu_kernels.MAX_ROWS rows (torch's kernel is compute-bound here)
+        use = cpu_kernels.available() if use_kernels is None else use_kernels
+        fits = cpu_kernels.Int4Packed.fits(self.in_features, self.kernel_group)
+        self.small = cpu_kernels.Int4Packed(q, scales, zeros, self.kernel_group) if use and fits else None
+        self.int8_activations = int8_activations
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply to x [..., K] of any float dtype; computes in bf16, returns x's dtype."""
+        """Apply to x [..., K] of any float dtype; returns x's dtype.
+
+        Small batches run serve's kernel on x as given; larger ones torch's kernel in bf16."""
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        x2 = x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.kernel_group, self.scales_and_zeros)
-        y = y.to(x.dtype)
+        if self.small is not None and x2.shape[0] <= cpu_kernels.MAX_ROWS:
+            y = cpu_kernels.gemv_int4(x2, self.small, x.dtype, self.int8_activations)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -186,15 +200,17 @@ def _mkldnn_pack(weight: torch.Tensor, allow_float32: bool = False, batch_hint: 
 class DenseLinear:
     """y = x W^T (+ b) for a plain weight, callable like Int4Linear.
 
-    bf16 on CPU runs prepacked where oneDNN can; on a CPU without native bf16 (`serve.cpu`) a
-    float32 copy of the weight serves every call of UPCAST_MIN_ROWS rows or more: the
-    input is upcast exactly, accumulated in float32 and rounded to bf16 once; 2 to
-    PACKED_MAX_ROWS rows go through a oneDNN-prepacked float32 copy. The copies cost 4x the bf16
-    weight's memory and make prefill, batched decode and verification 2-9x faster there.
-    `upcast=None` decides by the hardware; True/False force it (tests).
+    bf16 on CPU runs prepacked where oneDNN can. On a CPU without native bf16 (`serve.cpu`):
+    up to cpu_kernels.MAX_ROWS rows (decode steps, verification) go through serve's AVX2 kernel
+    on the bf16 weight itself (widened in registers, float32 accumulation, one bf16 rounding);
+    larger batches use a float32 copy of the weight (oneDNN-prepacked up to PACKED_MAX_ROWS
+    rows, MKL above), computed the same way. The copy costs 2x the bf16 weight's memory and makes
+    prefill 2-9x faster there. `upcast=None` decides by the hardware and `use_kernels=None` by
+    whether the kernels built; True/False force them (tests).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None,
+                 use_kernels: bool | None = None) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features, self.in_features = weight.shape
@@ -206,15 +222,33 @@ class DenseLinear:
         self.bias32 = bias.float() if upcast and bias is not None else None
         self.packed32 = _mkldnn_pack(self.weight32, allow_float32=True, batch_hint=5) if upcast else None
         self.upcast_min_rows = UPCAST_MIN_ROWS
+        use = cpu_kernels.available() if use_kernels is None else use_kernels
+        self.kernel_max_rows = cpu_kernels.MAX_ROWS if upcast and use else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear in the weight's dtype (float32 compute or the prepacked weight where they apply)."""
         rows = x.numel() // self.in_features
-        if self.weight32 is not None and x.dtype == torch.bfloat16 and rows >= self.upcast_min_rows:
-            if self.packed32 is not None and 2 <= rows <= PACKED_MAX_ROWS:
-                y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1).float(), self.packed32, self.bias32, "none", [], "")
-                return y.to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
-            return torch.nn.functional.linear(x.float(), self.weight32, self.bias32).to(torch.bfloat16)
+        if self.weight32 is not None and x.dtype == torch.bfloat16:
+            if rows <= self.kernel_max_rows:
+                return self._kernel(x, rows)
+            if rows >= self.upcast_min_rows:
+                return self._upcast(x, rows)
         if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def _kernel(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """serve's AVX2 kernel; the bias joins in float32 before the single bf16 rounding."""
+        x2 = x.reshape(rows, self.in_features)
+        if self.bias32 is None:
+            y = cpu_kernels.gemv_bf16(x2, self.weight, torch.bfloat16)
+        else:
+            y = (cpu_kernels.gemv_bf16(x2, self.weight, torch.float32) + self.bias32).to(torch.bfloat16)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _upcast(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The float32 copy of the weight: oneDNN-prepacked for small batches, MKL above."""
+        if self.packed32 is not None and rows <= PACKED_MAX_ROWS:
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1).float(), self.packed32, self.bias32, "none", [], "")
+            return y.to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
+        return torch.nn.functional.linear(x.float(), self.weight32, self.bias32).to(torch.bfloat16)

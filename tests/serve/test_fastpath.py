@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from serve.attention import SeqChunk, TorchPagedAttention, paged_attention_reference
 from serve.attention.torch_ref import split_by_context
 from serve.model import rms_norm
+from serve import cpu_kernels
 from serve.quant import PACKED_MAX_ROWS, DenseLinear
 
 
@@ -39,14 +40,19 @@ def _bf16_spacing(ref: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) - 7)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 37, 200])
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 37, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_linear_upcast_is_one_bf16_rounding_of_float64(rows: int, bias: bool) -> None:
+def test_dense_linear_upcast_is_one_bf16_rounding_of_float64(rows: int, bias: bool, kernels: bool) -> None:
+    """Every path of a bf16 weight on a CPU without native bf16 (serve's kernel for small
+    batches, the float32 copy otherwise) rounds the float32-accumulated product once."""
     torch.manual_seed(rows + 100)
     w = torch.randn(300, 96).bfloat16()
     b = torch.randn(300).bfloat16() if bias else None
     x = torch.randn(rows, 96).bfloat16()
-    got = DenseLinear(w, b, upcast=True)(x)
+    if rows == 1 and not kernels:
+        return  # without the kernels one row keeps torch's bf16 GEMV: covered by the test below
+    got = DenseLinear(w, b, upcast=True, use_kernels=kernels)(x)
     assert got.dtype == torch.bfloat16
     ref = F.linear(x.double(), w.double(), b.double() if bias else None)
     # within one rounding of the exact result (a native bf16 GEMM promises no more), plus float32
@@ -59,12 +65,17 @@ def test_dense_linear_upcast_is_one_bf16_rounding_of_float64(rows: int, bias: bo
 
 def test_dense_linear_upcast_switches_by_rows() -> None:
     w = torch.randn(64, 32).bfloat16()
-    lin = DenseLinear(w, upcast=True)
-    assert lin.upcast_min_rows == 2
+    lin = DenseLinear(w, upcast=True, use_kernels=False)
+    assert lin.upcast_min_rows == 2 and lin.kernel_max_rows == 0
     one, many = torch.randn(1, 32).bfloat16(), torch.randn(PACKED_MAX_ROWS + 1, 32).bfloat16()
-    assert torch.equal(lin(one), F.linear(one, w))  # memory-bound GEMV keeps the bf16 kernel
+    assert torch.equal(lin(one), F.linear(one, w))  # without serve's kernels one row keeps torch's bf16 GEMV
     assert torch.equal(lin(many), F.linear(many.float(), w.float()).bfloat16())  # MKL above the packed range
     assert DenseLinear(w.float(), upcast=True).weight32 is None  # float32 models are untouched
+    fast = DenseLinear(w, upcast=True, use_kernels=True)
+    few = torch.randn(cpu_kernels.MAX_ROWS, 32).bfloat16()
+    assert torch.equal(fast(few), cpu_kernels.gemv_bf16(few, w))  # decode and verification batches
+    assert torch.equal(fast(many), lin(many))
+    assert DenseLinear(w, upcast=False, use_kernels=True).kernel_max_rows == 0  # native bf16 CPUs keep oneDNN
 
 
 def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,7 +86,9 @@ def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 256), (9, 1024), (200, 64)])
-def test_rms_norm_matches_transformers_formula(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+def test_rms_norm_matches_transformers_formula(dtype: torch.dtype, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's fused norm path (serve's C++ one has its own test in test_cpu_kernels.py)."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     torch.manual_seed(shape[0])
     x = (torch.randn(shape) * 4).to(dtype)
     w = torch.randn(shape[1]).to(dtype)

@@ -17,8 +17,11 @@ from serve.quant import Int4Linear, gptq_dequantize, gptq_to_int4_parts
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
+@pytest.mark.parametrize("kernel", ["torch", "float", "int8"])
 @pytest.mark.parametrize("group_size, act_order", [(32, False), (64, True), (128, False), (32, True)])
-def test_int4_linear_matches_dequantized_matmul(group_size: int, act_order: bool) -> None:
+def test_int4_linear_matches_dequantized_matmul(group_size: int, act_order: bool, kernel: str) -> None:
+    """torch's kernel (bf16 activations and scales), serve's with float32 activations, and serve's
+    with int8 activations, each against the brute-force dequantized weight."""
     torch.manual_seed(group_size)
     w = torch.randn(48, 128) * 0.1
     packed = quantize_to_gptq(w, group_size, act_order, seed=group_size)
@@ -27,9 +30,11 @@ def test_int4_linear_matches_dequantized_matmul(group_size: int, act_order: bool
     parts = gptq_to_int4_parts("layer", packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], group_size)
     assert (parts.perm is not None) == act_order
     x = torch.randn(5, 128).bfloat16().float()
-    got = Int4Linear([parts])(x)
+    lin = Int4Linear([parts], use_kernels=kernel != "torch", int8_activations=kernel == "int8")
+    assert (lin.small is None) == (kernel == "torch")
+    got = lin(x)
     want = x @ reference.T
-    assert ((got - want).norm() / want.norm()) < 1e-2
+    assert ((got - want).norm() / want.norm()) < {"torch": 1e-2, "float": 1e-5, "int8": 3e-2}[kernel]
 
 
 def test_fused_parts_and_malformed_g_idx() -> None:

@@ -1,0 +1,89 @@
+"""What serve's int8-activation int4 kernel costs in quality: teacher-forced decode perplexity.
+
+serve's default int4 path on CPU rounds each decode row's activations to int8 per 32 features
+(`serve/KERNELS.md`). On random benchmark models that moves logits visibly, which says little
+about a trained model. This script scores held-out test documents of the corpus one token per
+forward (so every step runs the batch-1 decode kernels, never the prefill path), side by side in
+one process, for:
+
+- the int4 checkpoint with int8 activations (serve's default),
+- the same checkpoint with float32 activations,
+- the unquantized model it was made from (bf16, serve's own kernels).
+
+    .venv/bin/python benchmarks/int4_decode_ppl.py --int4 runs/arabic-tiny/gptq --reference runs/arabic-tiny/yarn
+
+Prints perplexity per language and the int8/float ratio; writes
+benchmarks/results/int4_decode_ppl-<time>.json. A few minutes on the demo model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from serve.attention import SeqChunk  # noqa: E402
+from serve.model import ForwardBatch, LlamaModel  # noqa: E402
+from serve.tokenizer import Tokenizer  # noqa: E402
+from warsha.data import DataConfig, load_corpus  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def decode_nll(model: LlamaModel, ids: list[int], block_size: int = 16) -> float:
+    """Summed next-token NLL (nats) of `ids`, every position computed as a one-row decode step."""
+    blocks = -(-len(ids) // block_size)
+    kv, table, total = model.new_kv_cache(blocks, block_size), list(range(blocks)), 0.0
+    for pos in range(len(ids) - 1):
+        step = ForwardBatch(torch.tensor([ids[pos]]), torch.tensor([pos]), [SeqChunk(0, 1, pos + 1, table)], torch.tensor([0]))
+        logits = model.forward(step, kv)[0].double()
+        total += float(torch.logsumexp(logits, 0) - logits[ids[pos + 1]])
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--int4", type=Path, required=True, help="GPTQ-format checkpoint (a quantize stage's output)")
+    p.add_argument("--reference", type=Path, required=True, help="the unquantized model it was made from")
+    p.add_argument("--langs", default="ar,en")
+    p.add_argument("--documents", type=int, default=12, help="test documents per language")
+    p.add_argument("--max-tokens", type=int, default=192, help="tokens scored per document")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    for d in (args.int4, args.reference):
+        if not (d / "config.json").is_file():
+            p.error(f"{d} has no config.json: pass a model directory")
+    torch.set_num_threads(args.threads)
+    corpus = load_corpus(DataConfig(source="hadith", strip_diacritics=True, validation_fraction=0.02, test_fraction=0.02))
+    tok = Tokenizer(args.int4)
+    models = {
+        "int4_int8_activations": LlamaModel.load(args.int4, int4_activations="int8"),
+        "int4_float_activations": LlamaModel.load(args.int4, int4_activations="float"),
+        "unquantized_bf16": LlamaModel.load(args.reference),
+    }
+    report: dict[str, dict[str, float]] = {}
+    for lang in args.langs.split(","):
+        seqs = [tok.encode(t)[: args.max_tokens] for t in corpus.texts(lang, "test")[: args.documents]]
+        n = sum(len(s) - 1 for s in seqs)
+        report[lang] = {name: math.exp(sum(decode_nll(m, s) for s in seqs) / n) for name, m in models.items()}
+        report[lang]["tokens"] = n
+    print(f"{'lang':5} {'int4 int8-act':>14} {'int4 float-act':>15} {'unquantized':>12} {'int8/float':>11}")
+    for lang, r in report.items():
+        ratio = r["int4_int8_activations"] / r["int4_float_activations"]
+        print(f"{lang:5} {r['int4_int8_activations']:14.3f} {r['int4_float_activations']:15.3f} {r['unquantized_bf16']:12.3f} {ratio:11.4f}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"int4_decode_ppl-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"int4": str(args.int4), "reference": str(args.reference), "perplexity": report}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

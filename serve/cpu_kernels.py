@@ -1,0 +1,113 @@
+"""Serve's own AVX2 small-batch kernels (`csrc/gemv_avx2.cpp`): build, load, and the int4 layout.
+
+Why: a decode step reads every weight once for a handful of activation rows. On an AVX2-only
+CPU torch's bf16 matrix-vector product and its int4 kernel are bound by their own arithmetic,
+not by memory (see the C++ file's header for the measurements); these kernels widen each weight
+block once and reuse it for up to 8 rows. They are compiled on first use with torch's C++
+extension builder (g++ and ninja; about a minute, cached under TORCH_EXTENSIONS_DIR) and used
+for up to `MAX_ROWS` rows: decode steps and speculative verification. Without a compiler, on a
+CPU without AVX2+FMA, or with WARSHA_SERVE_CPU_KERNELS=0, the engine keeps torch's kernels and
+says so once in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("serve.cpu_kernels")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv_avx2.cpp"
+MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
+BLOCK = 32  # input features per int4 block of the packed layout
+ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
+
+
+def _cpu_has_avx2() -> bool:
+    """AVX2 and FMA present (torch's own dispatch level says AVX2 or better)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability in ("AVX2", "AVX512", "AVX512_BF16", "AMX") or capability.startswith("AVX512")
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ModuleType | None:
+    """The compiled extension, or None (and one log line naming why) where it cannot run."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("%s=0: using torch's CPU kernels for small batches", ENV_SWITCH)
+        return None
+    if not _cpu_has_avx2():
+        log.warning("CPU lacks AVX2/FMA (torch reports %s): using torch's CPU kernels", torch.backends.cpu.get_cpu_capability())
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(
+            name="warsha_serve_gemv_avx2",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
+            verbose=False,
+        )
+    except Exception as err:  # noqa: BLE001 - any build failure means: fall back, loudly
+        log.warning("could not build serve's AVX2 kernels (%s: %s); using torch's CPU kernels, which are slower here",
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return None
+
+
+def available() -> bool:
+    """True when the kernels are built and usable on this CPU."""
+    return load() is not None
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ weight.T for a contiguous bf16 weight [N, K]; float32 accumulation."""
+    return load().gemv_bf16(x, weight, out_dtype)
+
+
+def gemv_int4(x: torch.Tensor, packed: "Int4Packed", out_dtype: torch.dtype = torch.bfloat16, int8_activations: bool = False) -> torch.Tensor:
+    """x [M, K] @ dequant(packed).T; with int8_activations, x is quantized per 32 features first."""
+    fn = load().gemv_int4_a8 if int8_activations else load().gemv_int4
+    return fn(x, packed.q, packed.scales, packed.zeros, packed.group, out_dtype)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of bf16 rows (float32 statistics, two bf16 roundings) in one call."""
+    return load().rms_norm_bf16(x, weight, eps)
+
+
+class Int4Packed:
+    """A [N, K] int4 weight in the kernels' layout (see the C++ header), from kernel-order parts.
+
+    q holds values 0..15 as int [K, N]; scales and zeros are [K/group, N] in torch's convention
+    w = (q - 8) * scale + zero, rewritten here as w = q * scale + (zero - 8 * scale).
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> None:
+        k, n = q.shape
+        if not self.fits(k, group):
+            raise ValueError(f"int4 layout needs a power-of-two group size ({group}) of at least {BLOCK} dividing in_features ({k})")
+        blocks = q.T.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+        self.q = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        self.scales = scales.float().T.contiguous()
+        self.zeros = (zeros.float() - 8 * scales.float()).T.contiguous()
+        self.group = group
+
+    @staticmethod
+    def fits(in_features: int, group: int) -> bool:
+        """Whether a weight with this shape and kernel group can use the layout."""
+        return in_features % group == 0 and group % BLOCK == 0 and group & (group - 1) == 0
+
+
+def main() -> int:
+    """`python -m serve.cpu_kernels`: build (or find) the kernels and say which path serve uses."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    print("serve CPU kernels:", "built, in use" if available() else "not available; torch's kernels are used")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

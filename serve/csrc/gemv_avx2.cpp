@@ -1,0 +1,378 @@
+// Small-batch matrix products for the serving engine's CPU path (AVX2 + FMA).
+//
+// Why: a decode step multiplies 1-16 activation rows by every weight matrix once, so it is
+// bound by reading the weights. On CPUs without native bf16 (AVX2 only), torch's bf16 matrix-
+// vector product and its int4 kernel are bound by their own arithmetic instead: measured on a
+// 2-core Zen 3, a bf16 5632 x 1024 product ran at half of memory speed and the int4 kernel at
+// a quarter. Here each weight block is widened to float32 once (bf16: a 16-bit shift; int4: a
+// byte-to-float conversion and one FMA with the group's scale and zero) and then used by every
+// activation row, so R rows cost about one pass over the weights. Float32 accumulation, as a
+// native bf16 GEMM does; the caller rounds once.
+//
+// int4 layout (built by serve/cpu_kernels.py from the GPTQ checkpoint): uint8 [N, K/2]; for
+// output n and input block b of 32 features, byte j of the block's 16 bytes holds feature
+// 32b+j in its low nibble and 32b+16+j in its high nibble. scales, zeros: float32 [N, K/G];
+// w[n, k] = q * scale + zero (zero already holds -scale * zero_point).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // weights handled per inner iteration (4 AVX2 vectors)
+constexpr int kMaxRows = 8;       // activation rows per pass over the weights
+constexpr int64_t kChunk = 256;  // granularity of feature chunks (a multiple of kBlock and of any int4 group)
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 widen_bf16(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Four float32 vectors of 32 consecutive bf16 weights of row `n`, from input feature k.
+struct Bf16Rows {
+  const uint16_t* w;
+  int64_t K;
+  inline void block(int64_t n, int64_t k, __m256 out[4]) const {
+    const uint16_t* p = w + n * K + k;
+    for (int j = 0; j < 4; ++j) out[j] = widen_bf16(p + 8 * j);
+  }
+  inline float scalar(int64_t n, int64_t k) const { return bf16_to_float(w[n * K + k]); }
+};
+
+// Four float32 vectors of 32 dequantized int4 weights of row `n`, from input feature k.
+struct Int4Rows {
+  const uint8_t* q;
+  const float* scales;
+  const float* zeros;
+  int64_t K, groups;
+  int gshift;  // log2 of the group size (a power of two)
+  inline void block(int64_t n, int64_t k, __m256 out[4]) const {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + k / 2));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    const int64_t g = n * groups + (k >> gshift);
+    const __m256 s = _mm256_set1_ps(scales[g]);
+    const __m256 z = _mm256_set1_ps(zeros[g]);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int j = 0; j < 4; ++j) {
+      __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+      out[j] = _mm256_fmadd_ps(qf, s, z);
+    }
+  }
+  inline float scalar(int64_t, int64_t) const { return 0.f; }  // K is a multiple of 32: no tail
+};
+
+// y[r, n] = sum_k x[r, k] * W[n, k] for R rows and outputs [n0, n1). A independent
+// accumulators per row hide FMA latency when R is small.
+// Input features are walked in chunks when the R activation rows being reused would not stay in
+// L1 (5 rows x 2816 float32 features: the down projection ran slower than MKL); a single row
+// keeps whole weight rows, which the prefetcher streams best (chunking it cost up to 2x).
+inline int64_t feature_chunk(int R, int64_t K) {
+  constexpr int64_t kL1Budget = 24 * 1024;
+  if (R * K * 4 <= kL1Budget) return K;
+  return std::max<int64_t>(kChunk, (kL1Budget / (4 * R)) / kChunk * kChunk);
+}
+
+template <int R, int A, typename Weights>
+void rows_kernel(const Weights& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t chunk = feature_chunk(R, K);
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
+    for (int64_t n = n0; n < n1; ++n) {
+      __m256 acc[R][A];
+      for (int r = 0; r < R; ++r)
+        for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+      int64_t k = k0;
+      for (; k + kBlock <= k1; k += kBlock) {
+        __m256 w[4];
+        W.block(n, k, w);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * K + k;
+          for (int j = 0; j < 4; ++j) acc[r][j % A] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), acc[r][j % A]);
+        }
+      }
+      float tail[R] = {};
+      for (; k < k1; ++k) {
+        const float wk = W.scalar(n, k);
+        for (int r = 0; r < R; ++r) tail[r] += wk * x[r * K + k];
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256 s = acc[r][0];
+        for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[r][a]);
+        const float part = hsum(s) + tail[r];
+        y[r * N + n] = k0 == 0 ? part : y[r * N + n] + part;
+      }
+    }
+  }
+}
+
+template <typename Weights>
+void dispatch_rows(int rows, const Weights& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+  switch (rows) {
+    case 1: return rows_kernel<1, 4>(W, x, K, N, n0, n1, y);
+    case 2: return rows_kernel<2, 4>(W, x, K, N, n0, n1, y);
+    case 3: return rows_kernel<3, 2>(W, x, K, N, n0, n1, y);
+    case 4: return rows_kernel<4, 2>(W, x, K, N, n0, n1, y);
+    case 5: return rows_kernel<5, 2>(W, x, K, N, n0, n1, y);
+    case 6: return rows_kernel<6, 1>(W, x, K, N, n0, n1, y);
+    case 7: return rows_kernel<7, 1>(W, x, K, N, n0, n1, y);
+    default: return rows_kernel<8, 1>(W, x, K, N, n0, n1, y);
+  }
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// The activations as float32 without a torch op (bf16 widened here): per-op dispatch costs more
+// than the conversion for a decode row.
+struct FloatRows {
+  std::vector<float> storage;
+  const float* data;
+  explicit FloatRows(const torch::Tensor& x) : data(nullptr) {
+    const torch::Tensor c = x.contiguous();
+    if (c.scalar_type() == torch::kFloat32 && c.is_same(x)) {
+      data = x.data_ptr<float>();
+      return;
+    }
+    storage.resize(c.numel());
+    if (c.scalar_type() == torch::kBFloat16) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(c.data_ptr());
+      for (int64_t i = 0; i < c.numel(); ++i) storage[i] = bf16_to_float(p[i]);
+    } else {
+      const torch::Tensor f = c.to(torch::kFloat32);
+      std::memcpy(storage.data(), f.data_ptr<float>(), sizeof(float) * c.numel());
+    }
+    data = storage.data();
+  }
+};
+
+// A float32 result buffer written out as `out_dtype` (bf16 rounded here, once).
+torch::Tensor emit(const std::vector<float>& y, int64_t M, int64_t N, at::ScalarType out_dtype) {
+  if (out_dtype == torch::kBFloat16) {
+    torch::Tensor out = torch::empty({M, N}, torch::kBFloat16);
+    uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for (int64_t i = 0; i < M * N; ++i) o[i] = float_to_bf16(y[i]);
+    return out;
+  }
+  torch::Tensor out = torch::empty({M, N}, torch::kFloat32);
+  std::memcpy(out.data_ptr<float>(), y.data(), sizeof(float) * M * N);
+  return out_dtype == torch::kFloat32 ? out : out.to(out_dtype);
+}
+
+// Runs W over x [M, K] in chunks of up to kMaxRows rows, outputs split across torch's threads.
+template <typename Dispatch>
+torch::Tensor run(const Dispatch& dispatch, const torch::Tensor& x_in, int64_t N, at::ScalarType out_dtype) {
+  const FloatRows x(x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  std::vector<float> y(M * N);
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      dispatch(rows, x.data + m0 * K, K, N, n0, n1, y.data() + m0 * N);
+    });
+  }
+  return emit(y, M, N, out_dtype);
+}
+
+// ---- int4 weights x int8 activations (dynamic, one scale per 32 input features of each row).
+// Why: widening int4 to float costs three vector ops per 8 weights, which keeps the float
+// kernel above compute-bound speed on AVX2; with activations quantized per block the products
+// run as u8 x s8 integer dot products (maddubs: 32 products in one instruction), as llama.cpp's
+// Q4 x Q8 path does. The zero-point term uses the exact float sum of each activation group.
+
+struct QuantRows {
+  std::vector<int8_t> q;      // [R, K]
+  std::vector<float> scale;   // [R, K/32]
+  std::vector<float> gsum;    // [R, K/group]: exact float sums of x per weight group
+};
+
+QuantRows quantize_rows(const float* x, int R, int64_t K, int64_t group) {
+  QuantRows out{std::vector<int8_t>(R * K), std::vector<float>(R * (K / kBlock)), std::vector<float>(R * (K / group), 0.f)};
+  for (int r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < kBlock; ++j) { amax = std::max(amax, std::fabs(xb[j])); sum += xb[j]; }
+      const float scale = amax / 127.f;
+      const float inv = scale > 0.f ? 1.f / scale : 0.f;
+      out.scale[r * (K / kBlock) + b] = scale;
+      out.gsum[r * (K / group) + (b * kBlock) / group] += sum;
+      int8_t* qb = out.q.data() + r * K + b * kBlock;
+      for (int j = 0; j < kBlock; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    }
+  }
+  return out;
+}
+
+// One 32-weight block of output row qn against R quantized activation rows, into acc.
+template <int R>
+inline void w4a8_block(const QuantRows& xq, const uint8_t* qn, float s, int64_t b, int64_t K, int64_t blocks, __m256* acc) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * (kBlock / 2)));
+  const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+  for (int r = 0; r < R; ++r) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + b * kBlock));
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xq.scale[r * blocks + b]), acc[r]);
+  }
+}
+
+// Blocks alternate between two accumulator sets so that consecutive FMAs do not wait on each
+// other (one chain capped a single row at about half of memory speed).
+template <int R>
+void w4a8_kernel(const QuantRows& xq, const uint8_t* q, const float* scales, const float* zeros, int64_t K, int64_t group,
+                 int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t blocks = K / kBlock, groups = K / group;
+  const int pshift = __builtin_ctzll(static_cast<unsigned long long>(group / kBlock));
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    const uint8_t* qn = q + n * (K / 2);
+    const float* sn = scales + n * groups;
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      w4a8_block<R>(xq, qn, sn[b >> pshift], b, K, blocks, acc0);
+      w4a8_block<R>(xq, qn, sn[(b + 1) >> pshift], b + 1, K, blocks, acc1);
+    }
+    if (b < blocks) w4a8_block<R>(xq, qn, sn[b >> pshift], b, K, blocks, acc0);
+    for (int r = 0; r < R; ++r) {
+      float zt = 0.f;
+      for (int64_t g = 0; g < groups; ++g) zt += zeros[n * groups + g] * xq.gsum[r * groups + g];
+      y[r * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + zt;
+    }
+  }
+}
+
+void w4a8_dispatch(int rows, const QuantRows& xq, const uint8_t* q, const float* s, const float* z, int64_t K, int64_t group,
+                   int64_t N, int64_t n0, int64_t n1, float* y) {
+  switch (rows) {
+    case 1: return w4a8_kernel<1>(xq, q, s, z, K, group, N, n0, n1, y);
+    case 2: return w4a8_kernel<2>(xq, q, s, z, K, group, N, n0, n1, y);
+    case 3: return w4a8_kernel<3>(xq, q, s, z, K, group, N, n0, n1, y);
+    case 4: return w4a8_kernel<4>(xq, q, s, z, K, group, N, n0, n1, y);
+    case 5: return w4a8_kernel<5>(xq, q, s, z, K, group, N, n0, n1, y);
+    case 6: return w4a8_kernel<6>(xq, q, s, z, K, group, N, n0, n1, y);
+    case 7: return w4a8_kernel<7>(xq, q, s, z, K, group, N, n0, n1, y);
+    default: return w4a8_kernel<8>(xq, q, s, z, K, group, N, n0, n1, y);
+  }
+}
+
+void check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [rows, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
+}
+
+void check_int4(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros, int64_t group) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8 && q.is_contiguous(), "q must be a contiguous uint8 [N, K/2] tensor");
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  TORCH_CHECK(K % kBlock == 0 && group % kBlock == 0 && K % group == 0 && (group & (group - 1)) == 0,
+              "int4 kernel needs a power-of-two group size of at least 32 that divides K");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && zeros.scalar_type() == torch::kFloat32, "scales and zeros must be float32");
+  TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * (K / group) && zeros.numel() == scales.numel(),
+              "scales and zeros must be contiguous [N, K/group]");
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w must be a contiguous bf16 [N, K] tensor");
+  check_x(x, w.size(1));
+  const Bf16Rows W{reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(1)};
+  const auto dispatch = [&W](int rows, const float* xr, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+    dispatch_rows(rows, W, xr, K, N, n0, n1, y);
+  };
+  return run(dispatch, x, w.size(0), out_dtype);
+}
+
+torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
+                        int64_t group, at::ScalarType out_dtype) {
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  check_int4(q, scales, zeros, group);
+  check_x(x, K);
+  const Int4Rows W{q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), K, K / group, __builtin_ctzll(static_cast<unsigned long long>(group))};
+  const auto dispatch = [&W](int rows, const float* xr, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+    dispatch_rows(rows, W, xr, K, N, n0, n1, y);
+  };
+  return run(dispatch, x, N, out_dtype);
+}
+
+torch::Tensor gemv_int4_a8(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
+                           int64_t group, at::ScalarType out_dtype) {
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  check_int4(q, scales, zeros, group);
+  check_x(x_in, K);
+  const FloatRows x(x_in);
+  const int64_t M = x_in.size(0);
+  std::vector<float> y(M * N);
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+    const QuantRows xq = quantize_rows(x.data + m0 * K, rows, K, group);
+    float* yp = y.data() + m0 * N;
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      w4a8_dispatch(rows, xq, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), K, group, N, n0, n1, yp);
+    });
+  }
+  return emit(y, M, N, out_dtype);
+}
+
+// RMSNorm of bf16 rows as transformers computes it: float32 mean of squares, x * rsqrt rounded
+// to bf16, then times the bf16 weight (rounded again). One call instead of torch's seven ops.
+torch::Tensor rms_norm_bf16(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16 && w_in.scalar_type() == torch::kBFloat16, "rms_norm_bf16 takes bf16 x and weight");
+  const torch::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t H = w.numel();
+  TORCH_CHECK(x.size(-1) == H, "x's last dim (", x.size(-1), ") must equal the weight's size (", H, ")");
+  torch::Tensor out = torch::empty_like(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t rows = x.numel() / H;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = xp + r * H;
+    float sum = 0.f;
+    for (int64_t i = 0; i < H; ++i) {
+      const float v = bf16_to_float(xr[i]);
+      sum += v * v;
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) {
+      const float h = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv));
+      op[r * H + i] = float_to_bf16(bf16_to_float(wp[i]) * h);
+    }
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation (AVX2)");
+  m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations (AVX2)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "transformers' RMSNorm on bf16 rows in one call");
+  m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features (AVX2)");
+}

@@ -48,6 +48,8 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     p.add_argument("--no-adaptive-speculation", action="store_true", help="always speculate instead of switching off a draft that does not pay")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable reuse of cached KV blocks across requests with a shared prefix")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's default sampler (requests may pass their own seed)")
+    p.add_argument("--int4-activations", default="int8", choices=["int8", "float"],
+                   help="int4 checkpoints on CPU: round decode activations to int8 per 32 features (fast, ~0.1%% perplexity on the demo model) or keep float32 (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for the engine (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level (default: %(default)s)")
     return p
@@ -70,6 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.no_adaptive_speculation,
         seed=args.seed,
+        int4_activations=args.int4_activations,
     )
 
 

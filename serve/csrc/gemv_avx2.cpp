@@ -208,20 +208,21 @@ torch::Tensor run(const Dispatch& dispatch, const torch::Tensor& x_in, int64_t N
 
 struct QuantRows {
   std::vector<int8_t> q;      // [R, K]
-  std::vector<float> scale;   // [R, K/32]
+  std::vector<float> scale8;  // [R, K/32, 8]: each block's scale repeated across a vector
   std::vector<float> gsum;    // [R, K/group]: exact float sums of x per weight group
 };
 
 QuantRows quantize_rows(const float* x, int R, int64_t K, int64_t group) {
-  QuantRows out{std::vector<int8_t>(R * K), std::vector<float>(R * (K / kBlock)), std::vector<float>(R * (K / group), 0.f)};
+  const int64_t blocks = K / kBlock;
+  QuantRows out{std::vector<int8_t>(R * K), std::vector<float>(R * blocks * 8), std::vector<float>(R * (K / group), 0.f)};
   for (int r = 0; r < R; ++r) {
-    for (int64_t b = 0; b < K / kBlock; ++b) {
+    for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + r * K + b * kBlock;
       float amax = 0.f, sum = 0.f;
       for (int j = 0; j < kBlock; ++j) { amax = std::max(amax, std::fabs(xb[j])); sum += xb[j]; }
       const float scale = amax / 127.f;
       const float inv = scale > 0.f ? 1.f / scale : 0.f;
-      out.scale[r * (K / kBlock) + b] = scale;
+      for (int l = 0; l < 8; ++l) out.scale8[(r * blocks + b) * 8 + l] = scale;
       out.gsum[r * (K / group) + (b * kBlock) / group] += sum;
       int8_t* qb = out.q.data() + r * K + b * kBlock;
       for (int j = 0; j < kBlock; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
@@ -230,42 +231,50 @@ QuantRows quantize_rows(const float* x, int R, int64_t K, int64_t group) {
   return out;
 }
 
-// One 32-weight block of output row qn against R quantized activation rows, into acc.
+// One 32-weight block of an output row against R quantized activation rows: integer dot
+// products, scaled by each row's block scale into the group accumulators.
 template <int R>
-inline void w4a8_block(const QuantRows& xq, const uint8_t* qn, float s, int64_t b, int64_t K, int64_t blocks, __m256* acc) {
+inline void w4a8_block(const int8_t* xq, const float* xs8, const uint8_t* qn, int64_t b, int64_t K, int64_t blocks, __m256* acc) {
   const __m128i low = _mm_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * (kBlock / 2)));
   const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
   for (int r = 0; r < R; ++r) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + b * kBlock));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
     const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xq.scale[r * blocks + b]), acc[r]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(xs8 + (r * blocks + b) * 8), acc[r]);
   }
 }
 
-// Blocks alternate between two accumulator sets so that consecutive FMAs do not wait on each
-// other (one chain capped a single row at about half of memory speed).
+// Per weight group: blocks alternate between two accumulator sets (consecutive FMAs do not wait
+// on each other), then the group's weight scale multiplies their sum once.
 template <int R>
 void w4a8_kernel(const QuantRows& xq, const uint8_t* q, const float* scales, const float* zeros, int64_t K, int64_t group,
                  int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t blocks = K / kBlock, groups = K / group;
-  const int pshift = __builtin_ctzll(static_cast<unsigned long long>(group / kBlock));
+  const int64_t blocks = K / kBlock, groups = K / group, per_group = group / kBlock;
+  const int8_t* xqp = xq.q.data();
+  const float* xs8 = xq.scale8.data();
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* qn = q + n * (K / 2);
-    const float* sn = scales + n * groups;
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-      w4a8_block<R>(xq, qn, sn[b >> pshift], b, K, blocks, acc0);
-      w4a8_block<R>(xq, qn, sn[(b + 1) >> pshift], b + 1, K, blocks, acc1);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 g0[R], g1[R];
+      for (int r = 0; r < R; ++r) g0[r] = g1[r] = _mm256_setzero_ps();
+      int64_t b = g * per_group;
+      const int64_t end = b + per_group;
+      for (; b + 2 <= end; b += 2) {
+        w4a8_block<R>(xqp, xs8, qn, b, K, blocks, g0);
+        w4a8_block<R>(xqp, xs8, qn, b + 1, K, blocks, g1);
+      }
+      if (b < end) w4a8_block<R>(xqp, xs8, qn, b, K, blocks, g0);
+      const __m256 s = _mm256_set1_ps(scales[n * groups + g]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(g0[r], g1[r]), s, acc[r]);
     }
-    if (b < blocks) w4a8_block<R>(xq, qn, sn[b >> pshift], b, K, blocks, acc0);
     for (int r = 0; r < R; ++r) {
       float zt = 0.f;
       for (int64_t g = 0; g < groups; ++g) zt += zeros[n * groups + g] * xq.gsum[r * groups + g];
-      y[r * N + n] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + zt;
+      y[r * N + n] = hsum(acc[r]) + zt;
     }
   }
 }

@@ -102,3 +102,13 @@ def test_int4_model_matches_dequantized_reference(int4_pair: tuple[Path, Path]) 
         # greedy under int4 picks the reference's argmax up to bf16/int4-kernel rounding near-ties
         assert bool(((logits.max(-1).values - chosen) <= 0.05 * spread).all())
     llm.block_manager.check_no_leaks()
+
+
+def test_int4_activations_option_reaches_the_linears_and_is_validated(int4_pair: tuple[Path, Path]) -> None:
+    qdir, _ = int4_pair
+    for mode, a8 in (("int8", True), ("float", False)):
+        model = LlamaModel.load(qdir, int4_activations=mode)
+        linears = [model.layers[0].o, model.layers[0].down]
+        assert all(lin.int8_activations is a8 for lin in linears)
+    with pytest.raises(ValueError, match="int4_activations='int4'"):
+        LLM(qdir, int4_activations="int4")

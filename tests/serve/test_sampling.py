@@ -136,3 +136,31 @@ def test_controller_switches_off_when_speculation_loses() -> None:
     assert good.timings[1].spec_samples == 2 and good.timings[1].spec == pytest.approx(1.5)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpecController(k=0)
+
+
+def test_controller_probes_long_enough_to_time_speculation_again() -> None:
+    """Off after two slow speculative samples; a probe runs two speculative steps (the first is
+    an untimed catch-up), the second's timing shows speculation now wins, and it stays on."""
+    ctl = SpecController(k=4, min_samples=2, probe_every=4)
+    decisions = []
+    for _ in range(2):
+        decisions.append(ctl.should_speculate(1))
+        ctl.record_spec(1, seconds=6.0, proposed=4, accepted=4)  # slow early samples
+    for _ in range(2):
+        decisions.append(ctl.should_speculate(1))
+        ctl.record_plain(1, seconds=1.0)
+    assert decisions == [True, True, False, False] and ctl.predicted_speedup(1) < 1
+    seen = []
+    for _ in range(12):
+        spec = ctl.should_speculate(1)
+        seen.append(spec)
+        if spec:
+            catch_up = len(seen) < 2 or not seen[-2]
+            ctl.record_spec(1, seconds=None if catch_up else 1.2, proposed=4, accepted=4)
+        else:
+            ctl.record_plain(1, seconds=1.0)
+    first = seen.index(True)
+    assert seen[first: first + 2] == [True, True]  # the probe: catch-up, then a timed step
+    # speculation (5 tokens for 1.2x the cost) now wins; the only plain steps left are probes
+    assert ctl.predicted_speedup(1) > 1
+    assert seen[first:].count(True) > seen[first:].count(False)

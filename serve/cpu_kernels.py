@@ -13,6 +13,7 @@ says so once in the log.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -46,8 +47,11 @@ def load() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
+        # named by the source's hash: checkouts of different versions never rebuild each other's
+        # library (nor replace it under a running process); the same source builds once
+        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
         return cpp_extension.load(
-            name="warsha_serve_gemv_avx2",
+            name=f"warsha_serve_gemv_avx2_{digest}",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
             verbose=False,

@@ -31,7 +31,7 @@ def test_int4_linear_matches_dequantized_matmul(group_size: int, act_order: bool
     assert (parts.perm is not None) == act_order
     x = torch.randn(5, 128).bfloat16().float()
     lin = Int4Linear([parts], use_kernels=kernel != "torch", int8_activations=kernel == "int8")
-    assert (lin.small is None) == (kernel == "torch")
+    assert (lin.avx2 is None) == (kernel == "torch")
     got = lin(x)
     want = x @ reference.T
     assert ((got - want).norm() / want.norm()) < {"torch": 1e-2, "float": 1e-5, "int8": 3e-2}[kernel]
@@ -79,18 +79,24 @@ def int4_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return qdir, ddir
 
 
-def test_int4_model_matches_dequantized_reference(int4_pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("activations, tolerance, tie", [("float", 3e-2, 0.05), ("int8", 8e-2, 0.3)])
+def test_int4_model_matches_dequantized_reference(int4_pair: tuple[Path, Path], activations: str, tolerance: float, tie: float) -> None:
+    """Logits within bf16 rounding (float activations) or bf16 plus int8 activation rounding of
+    the dequantized model in transformers, and greedy decoding that picks its argmax up to
+    near-ties. This random 2-layer model moves ~5% under int8 activations (the trained demo
+    model's perplexity moves 0.1%, benchmarks/int4_decode_ppl.py), hence the wider tie margin;
+    a wrong layout or scale moves logits by their whole spread."""
     from tests.serve.conftest import hf_model
 
     qdir, ddir = int4_pair
     ref = hf_model(ddir)
-    ours = LlamaModel.load(qdir, "bfloat16")
+    ours = LlamaModel.load(qdir, "bfloat16", int4_activations=activations)
     ids = list(range(5, 45))
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     got = ours.prefill_logits(ids)
-    assert ((got - want).norm() / want.norm()) < 3e-2
-    llm = LLM(qdir)
+    assert ((got - want).norm() / want.norm()) < tolerance
+    llm = LLM(qdir, int4_activations=activations)
     prompts = [list(range(3 + i, 13 + 2 * i)) for i in range(6)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     spread = want.std().item()
@@ -99,8 +105,8 @@ def test_int4_model_matches_dequantized_reference(int4_pair: tuple[Path, Path]) 
         with torch.no_grad():
             logits = ref(torch.tensor([seq])).logits[0, len(prompt) - 1 : -1]
         chosen = logits.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
-        # greedy under int4 picks the reference's argmax up to bf16/int4-kernel rounding near-ties
-        assert bool(((logits.max(-1).values - chosen) <= 0.05 * spread).all())
+        # greedy under int4 picks the reference's argmax up to near-ties of the kernel's rounding
+        assert bool(((logits.max(-1).values - chosen) <= tie * spread).all())
     llm.block_manager.check_no_leaks()
 
 

@@ -166,3 +166,31 @@ def test_bf16_attention_upcast_matches_float64_reference() -> None:
         errors[up] = (got.double() - ref).abs()
     assert bool((errors[True] <= _bf16_spacing(ref) + 1e-6).all())
     assert errors[True].mean() <= errors[False].mean()
+
+
+def _decode_step_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """Logits of ids[-1] computed as a one-row decode step after prefilling the rest."""
+    from serve.model import ForwardBatch
+
+    blocks, n = 4, len(ids)
+    kv, table = model.new_kv_cache(blocks, 16), list(range(blocks))
+    model.forward(ForwardBatch(torch.tensor(ids[:-1]), torch.arange(n - 1), [SeqChunk(0, n - 1, n - 1, table)], torch.tensor([n - 2])), kv)
+    step = ForwardBatch(torch.tensor(ids[-1:]), torch.tensor([n - 1]), [SeqChunk(0, 1, n, table)], torch.tensor([0]))
+    return model.forward(step, kv)[0]
+
+
+def test_bf16_decode_with_and_without_serve_kernels_tracks_float32(tiny_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The kernel path and torch's fallback (no compiler, no AVX2) both stay within bf16 error of
+    the float32 model on a decode step; only their rounding differs."""
+    from serve.model import LlamaModel
+
+    ids = list(range(7, 40))
+    ref = _decode_step_logits(LlamaModel.load(tiny_dir, "float32"), ids)
+    fast = _decode_step_logits(LlamaModel.load(tiny_dir, "bfloat16"), ids)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    fallback_model = LlamaModel.load(tiny_dir, "bfloat16")
+    assert fallback_model.layers[0].qkv.kernel_max_rows == 0
+    fallback = _decode_step_logits(fallback_model, ids)
+    for got in (fast, fallback):
+        assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+        assert int(got.argmax()) == int(ref.argmax())

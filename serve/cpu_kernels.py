@@ -27,6 +27,10 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv_avx2.cpp"
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without the flag the kernels
+# silently run on one thread. The runtime loaded is torch's own libgomp (same soname).
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_has_avx2() -> bool:
@@ -47,13 +51,14 @@ def load() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        # named by the source's hash: checkouts of different versions never rebuild each other's
-        # library (nor replace it under a running process); the same source builds once
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        # named by the hash of source and flags: checkouts of different versions never rebuild
+        # each other's library (nor replace it under a running process); the same source builds once
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
         return cpp_extension.load(
             name=f"warsha_serve_gemv_avx2_{digest}",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             verbose=False,
         )
     except Exception as err:  # noqa: BLE001 - any build failure means: fall back, loudly

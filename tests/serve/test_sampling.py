@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 from serve.sampler import Sampler, SamplingParams, param_tensors, process_logits
-from serve.spec_decode import SpecController, expected_tokens_per_step, greedy_verify, rejection_sample
+from serve.spec_decode import SpecController, greedy_verify, rejection_sample
 
 
 @pytest.mark.parametrize(
@@ -115,8 +115,6 @@ def test_penalties_and_logprobs() -> None:
 
 
 def test_controller_switches_off_when_speculation_loses() -> None:
-    assert expected_tokens_per_step(0.0, 4) == 1.0
-    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
     ctl = SpecController(k=4, min_samples=2, probe_every=1000)
     assert ctl.should_speculate(32)  # explore: speculation first
     ctl.record_spec(32, seconds=3.0, proposed=128, accepted=32)
@@ -131,11 +129,29 @@ def test_controller_switches_off_when_speculation_loses() -> None:
     for _ in range(2):
         good.record_spec(1, seconds=1.5, proposed=4, accepted=3)
         good.record_plain(1, seconds=1.0)
-    assert good.alpha == pytest.approx(0.75) and good.should_speculate(1)  # 3.05 tokens for 1.5x cost
+    assert good.alpha == pytest.approx(0.75) and good.should_speculate(1)  # 4 tokens for 1.5x cost
+    assert good.tokens_per_verification == pytest.approx(4.0)
     good.record_spec(1, seconds=None, proposed=4, accepted=0)  # a catch-up step: acceptance only
     assert good.timings[1].spec_samples == 2 and good.timings[1].spec == pytest.approx(1.5)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpecController(k=0)
+
+
+def test_controller_counts_tokens_emitted_not_an_independent_acceptance_model() -> None:
+    """Drafts fail in runs: steps accepting all 4 or none give acceptance 0.5, for which the
+    independent-acceptance formula predicts 1.94 tokens per step; the steps emit 3. At 2.2x the
+    cost of a plain step speculation wins (3 / 2.2), which that formula would have denied."""
+    ctl = SpecController(k=4, min_samples=2, probe_every=1000, decay=1.0)
+    for i in range(8):
+        ctl.record_spec(1, seconds=2.2, proposed=4, accepted=4 if i % 2 else 0)
+        ctl.record_plain(1, seconds=1.0)
+    assert ctl.alpha == pytest.approx(0.5)
+    assert ctl.tokens_per_verification == pytest.approx(3.0)
+    assert ctl.predicted_speedup(1) == pytest.approx(3.0 / 2.2)
+    assert ctl.should_speculate(1)
+    batch = SpecController(k=4, decay=1.0)
+    batch.record_spec(8, seconds=1.0, proposed=32, accepted=12)  # 8 sequences, 1.5 accepted each
+    assert batch.tokens_per_verification == pytest.approx(2.5)
 
 
 def test_controller_probes_long_enough_to_time_speculation_again() -> None:

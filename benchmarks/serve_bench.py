@@ -34,9 +34,11 @@ activations and KV cache but runs its matmuls in float32 (rounded to bf16 once),
 torch's emulated bf16 kernels: the results record `cpu_native_bf16` so that ratios from the two
 kinds of machine are not mixed up.
 
-Targets the team aims for are printed as ratios and never asserted. `--threads` defaults to 1:
-on a shared 2-core machine extra OpenMP threads mostly wait on each other, and every engine
-runs with the same setting. Results go to benchmarks/results/serve_bench-<time>.json.
+Targets the team aims for are printed as ratios and never asserted. `--threads` defaults to 1
+(on a shared machine extra OpenMP threads mostly wait on each other); the README's figures use
+`--threads 2`, the idle 2-core host's cores, with one-thread figures beside them. Every engine
+runs with the same setting. The predicted speedup in (c) assumes independent acceptance; drafts
+fail in runs, so the measured `len` (tokens per verification) is usually higher than it implies. Results go to benchmarks/results/serve_bench-<time>.json.
 """
 
 from __future__ import annotations

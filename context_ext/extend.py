@@ -78,11 +78,13 @@ def _cached(path: Path, compute: Any) -> dict[str, Any]:
     return value
 
 
-def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int, source_lang: str | None = None) -> suite.EvalData:
+def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int, source_lang: str | None = None,
+              source_tokens: int = 8192) -> suite.EvalData:
     """Held-out filler and perplexity documents (validation + test splits only).
 
-    ``source_lang``: also held-out text of the corpus's other language, for the short-context
-    check there (a fine-tune on one language can silently cost the other).
+    ``source_lang``: also at least ``source_tokens`` tokens of held-out text of the corpus's
+    other language, for the short-context check there (a fine-tune on one language can silently
+    cost the other); a few hundred tokens would leave that ratio to chance.
     """
     texts = longdata.heldout_texts(corpus, lang)
     half = len(texts) // 2
@@ -90,7 +92,12 @@ def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int, s
     ppl = longdata.long_documents(tokenizer, texts[half:] or texts, n_docs, 2 * max(plan.lengths))
     source: list[str] = []
     if source_lang and source_lang != lang:
-        source = longdata.long_documents(tokenizer, longdata.heldout_texts(corpus, source_lang), 1, 2 * max(plan.short_lengths))
+        need = max(source_tokens, 2 * max(plan.short_lengths))
+        try:
+            source = longdata.long_documents(tokenizer, longdata.heldout_texts(corpus, source_lang), 1, need)
+        except ValueError as err:
+            raise ValueError(f"short_eval_tokens: the {source_lang} held-out text has fewer than {need} tokens;"
+                             " lower short_eval_tokens or add validation/test text") from err
     return suite.EvalData(PasskeyFormat(tokenizer), filler, ppl, source)
 
 
@@ -181,7 +188,7 @@ def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
     other = corpus.config.source_lang if lang == corpus.config.target_lang else corpus.config.target_lang
     if not (corpus.texts(other, "validation") or corpus.texts(other, "test")):
         other = None  # a one-language corpus: nothing else to keep
-    data = eval_data(tokenizer, corpus, lang, plan, p.ppl_documents, other)
+    data = eval_data(tokenizer, corpus, lang, plan, p.ppl_documents, other, p.short_eval_tokens)
     # built before any evaluation, so a corpus that cannot feed the fine-tune fails in seconds
     batches = longdata.make_batches(tokenizer, corpus, lang, plan.target, p.batch_size, p.retrieval_fraction,
                                     ctx.seed, avoid_depths=p.depths, answer_weight=p.answer_weight,

@@ -70,6 +70,8 @@ class YarnParams:
     max_trials: int = field(default=400, metadata=check(ge(1)))
     ci_half_width: float = field(default=0.05, metadata=check(gt(0.0), help="stop when the 95% CI is this narrow"))
     ppl_documents: int = field(default=2, metadata=check(ge(1)))
+    short_eval_tokens: int = field(default=8192, metadata=check(
+        ge(1), help="held-out tokens of the other language scored at the short lengths (its regression check)"))
     eval_batch_tokens: int = field(default=4096, metadata=check(ge(16), help="tokens per eval forward pass"))
     eval_dtype: Literal["auto", "bfloat16", "float32"] = field(
         default="auto", metadata=check(help="auto: bfloat16 where the device has fast bf16, else float32"))

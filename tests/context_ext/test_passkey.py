@@ -209,3 +209,17 @@ def test_source_fraction_mixes_the_other_languages_train_text(tok_and_model: tup
     same = longdata.make_batches(tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000, source_lang="ar",
                                  source_fraction=0.4)
     assert torch.equal(same.stream, plain.stream)  # the target language is not its own source
+
+
+def test_other_language_check_scores_the_requested_tokens(tok_and_model: tuple[Any, Any], corpus: Any) -> None:
+    """The other language's short-context ratio is read from enough text to mean something."""
+    from context_ext.extend import eval_data, resolve
+    from context_ext.stages import YarnParams
+    from tests.context_ext.test_scaling import llama_config_dict
+
+    tok, _ = tok_and_model
+    plan = resolve(llama_config_dict(max_pos=64), YarnParams(factor=2.0, baselines=[], finetune_baselines=[]))
+    data = eval_data(tok, corpus, "ar", plan, 1, "en", source_tokens=3000)
+    assert len(tok(data.source_texts[0], add_special_tokens=False)["input_ids"]) >= 3000
+    with pytest.raises(ValueError, match="short_eval_tokens"):
+        eval_data(tok, corpus, "ar", plan, 1, "en", source_tokens=10**9)

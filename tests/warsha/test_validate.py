@@ -37,3 +37,53 @@ def test_validate_requires_a_draft_input() -> None:
     data["stages"].append({"stage": "serve.validate"})
     with pytest.raises(RecipeError, match=r"stages\[1\].inputs.draft: required"):
         parse_recipe(data)
+
+
+def test_first_difference() -> None:
+    from warsha.validate import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+class _FakeOut:
+    def __init__(self, logprobs: dict[int, float]) -> None:
+        self.logprobs = [logprobs]
+
+
+class _FakeEngine:
+    """Answers a one-token logprobs request the way serve's LLM does."""
+
+    def __init__(self, logprobs: dict[int, float]) -> None:
+        self.logprobs, self.calls = logprobs, []
+
+    def generate(self, prompts: list[list[int]], params: object) -> list[_FakeOut]:
+        self.calls.append((prompts, params))
+        return [_FakeOut(self.logprobs)]
+
+
+def test_top2_gap_names_only_flips_between_the_two_best_tokens() -> None:
+    from warsha.validate import top2_gap
+
+    engine = _FakeEngine({7: -1.0000, 9: -1.0002, 4: -3.0})
+    assert top2_gap(engine, [1, 2], {7, 9}) == pytest.approx(2e-4)
+    prompts, params = engine.calls[0]
+    assert prompts == [[1, 2]] and params.max_tokens == 1 and params.logprobs == 2
+    assert top2_gap(engine, [1, 2], {7, 4}) == float("inf")  # the third-best token is no tie
+    assert top2_gap(engine, [1, 2], {7}) == float("inf")  # one run ended early
+
+
+def test_compare_outputs_separates_near_ties_from_real_mismatches() -> None:
+    from warsha.validate import compare_outputs
+
+    prompts = [[1], [1], [1]]
+    plain = [[5, 7, 8], [5, 6, 6], [5, 7, 3]]
+    spec = [[5, 9, 8], [5, 6, 6], [5, 4, 3]]
+    engine = _FakeEngine({7: -1.0, 9: -1.0002, 4: -2.5})  # 7 and 9 tie; 4 is far behind
+    r = compare_outputs(engine, prompts, plain, spec, tolerance=1e-3)
+    assert r["mismatched_requests"] == 2 and r["near_tie_flips"] == 1
+    assert [d["request"] for d in r["divergences"]] == [0, 2]
+    assert r["divergences"][0]["top2_gap"] == pytest.approx(2e-4) and r["divergences"][1]["top2_gap"] is None
+    assert engine.calls[0][0] == [[1, 5]]  # the prefix up to the divergence
+    assert compare_outputs(engine, prompts, plain, spec, tolerance=1e-5)["near_tie_flips"] == 0

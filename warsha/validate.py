@@ -12,7 +12,11 @@ tokens are within rounding of each other the two runs may pick different ones an
 there. Every divergence is therefore classified at its first differing token: the target's own
 top-2 log-probabilities at that prefix are read back from the engine, and a divergence between
 exactly those two tokens with a gap under ``tie_tolerance`` is a near-tie flip; anything else is
-a real mismatch, and ``outputs_match`` is false only for those.
+a real mismatch, and ``outputs_match`` is false only for those. The default tolerance (0.01
+nats) is set by int4 checkpoints served with int8 activations: rounding each activation to 8
+bits turns the last-bit differences of a float op into whole quantization steps whenever a
+value sits near a rounding boundary, so the decode, verification and prefill paths of the same
+engine differed by up to 2.5e-3 nats on the demo's GPTQ model (float activations: no flips).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class ValidateParams:
     dtype: Literal["bfloat16", "float32"] = field(
         default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties"))
     kv_cache_memory_gb: float = field(default=0.5, metadata=check(help="KV pool size per engine"))
-    tie_tolerance: float = field(default=1e-3, metadata=check(
+    tie_tolerance: float = field(default=1e-2, metadata=check(
         ge(0.0), help="a divergence between the target's two best tokens closer than this (nats) is a near-tie flip"))
 
     def validate(self) -> list[str]:

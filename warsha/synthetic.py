@@ -25,12 +25,20 @@ def repeat_row(source: Sequence[int], length: int, rng: random.Random, bos: int 
         raise ValueError(f"repeat_row: the source has {len(source)} tokens; at least 10 are needed")
     span = min(rng.randint(max(8, length // 16), max(9, length // 3)), len(source) - 1)
     start = rng.randrange(len(source) - span)
-    seg = list(source[start : start + span])
+    return fill_repeats(list(source[start : start + span]), length, bos)
+
+
+def fill_repeats(seg: Sequence[int], length: int, bos: int | None) -> tuple[list[int], list[float]]:
+    """BOS + ``seg`` repeated to ``length`` tokens; weight 1 on each repeat's tokens after its first.
+
+    A repeat's first token follows the previous repeat's last one, which only the span length
+    predicts, so it gets 0 like the whole first copy.
+    """
     ids = [bos if bos is not None else seg[0]]
     weights = [0.0]
     first = True
     while len(ids) < length:
-        take = seg[: length - len(ids)]
+        take = list(seg[: length - len(ids)])
         weights += [0.0] * len(take) if first else [0.0] + [1.0] * (len(take) - 1)
         ids += take
         first = False

@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
                     help="unscaled HF model directory (RoPE)")
     ap.add_argument("--method", default="yarn", choices=["yarn", "linear", "ntk"])
     ap.add_argument("--factor", type=float, default=4.0)
+    ap.add_argument("--target-length", type=int, default=0,
+                    help="fine-tune row length (0: original x factor); e.g. factor 8 on 4x rows, as YaRN trains short, tests long")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-4)
@@ -90,7 +92,8 @@ def main() -> None:
                        inputs={"model": args.model}, input_manifests={"model": None},
                        checkpoint_dir=work / "checkpoints", tracker=Tracker(), device="cpu", seed=0,
                        _corpus=corpus)
-    params = YarnParams(method=args.method, factor=args.factor, steps=args.steps, batch_size=args.batch_size,
+    params = YarnParams(method=args.method, factor=args.factor, target_length=args.target_length or None,
+                        steps=args.steps, batch_size=args.batch_size,
                         lr=args.lr, answer_weight=args.answer_weight, retrieval_fraction=args.retrieval_fraction,
                         copy_fraction=args.copy_fraction, curriculum=args.curriculum,
                         lm_positions=args.lm_positions, warmup_steps=args.warmup_steps,

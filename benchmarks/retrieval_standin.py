@@ -33,6 +33,12 @@ of 100 trials). The equivalent commands::
     .venv/bin/python benchmarks/context_bench.py --model runs/bootstrap-retrieval --factor 8 --target-length 1024 \\
         --batch-size 2 --lr 3e-4 --curriculum 0.5 --lm-positions 0.5 --max-trials 120 --ppl-documents 1
 
+Not yet reproducible by these commands: a rerun of them from the same bootstrap, with this
+script's cosine decay in every phase (the draft ran phases 1-3 at a constant rate), stayed at
+0-10% at 256 tokens through phases 1-3 (1900 steps) and read 19% 200 steps into phase 4. When
+the copy circuit forms depends on the schedule and the data order; a ``--schedule constant``
+option and a check on the per-digit accuracy are the next step.
+
 Corpus rows are in ``--lang`` only, so the stand-in forgets English (perplexity in the
 hundreds of millions): read its other-language short-context column as meaningless.
 """

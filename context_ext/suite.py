@@ -8,6 +8,7 @@ tends to cause silently).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import resource
 from dataclasses import dataclass, field
@@ -89,6 +90,24 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
+def release_freed_memory() -> bool:
+    """Collect garbage and hand the allocator's free pages back to the kernel (glibc ``malloc_trim``).
+
+    Why: glibc keeps freed heap pages mapped, so after a 1024-token fine-tune the process stays
+    at its 4.7 GB peak with nothing live; an evaluation measured from there reports the
+    fine-tune's memory, not its own. False where the C library has no ``malloc_trim``.
+    """
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)  # returns whether anything was released; either way the call was made
+    return True
+
+
 def reset_peak_rss() -> bool:
     """Restart the peak-memory count at the current resident size (Linux ``clear_refs`` 5).
 
@@ -109,7 +128,7 @@ def evaluate(model: Any, tokenizer: Any, data: EvalData, s: EvalSettings, desc: 
     from warsha.evaluate import likelihood
 
     out: dict[str, Any] = {"passkey": {}, "perplexity": {}}
-    gc.collect()  # free what earlier work left, so the evaluation's own peak is what is measured
+    release_freed_memory()  # so the evaluation's own peak is what is measured
     out["peak_rss_scope"] = "evaluation" if reset_peak_rss() else "process"
     for length in s.lengths:
         cell = passkey.evaluate_length(

@@ -109,3 +109,13 @@ def test_writes_a_loadable_standin_with_its_curve(tiny_artifact: Path, tmp_path:
     assert all(0.0 <= c["passkey_at_context"] <= 1.0 for c in report["curve"])
     assert AutoModelForCausalLM.from_pretrained(out).config.max_position_embeddings == 64
     assert not (tmp_path / "standin.tmp").exists()
+
+
+def test_rate_warms_up_then_holds_or_decays_to_a_tenth() -> None:
+    rate = _standin().rate
+    for schedule in ("constant", "cosine"):
+        assert [rate(1e-3, s, 100, schedule) for s in range(10)] == pytest.approx([1e-4 * (s + 1) for s in range(10)])
+    assert {rate(1e-3, s, 100, "constant") for s in range(10, 100)} == {1e-3}
+    cosine = [rate(1e-3, s, 100, "cosine") for s in range(10, 101)]
+    assert cosine[0] == pytest.approx(1e-3) and cosine[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(cosine, cosine[1:]))

@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-slow report clean
+.PHONY: setup demo test test-slow lint format report clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,14 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

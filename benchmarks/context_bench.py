@@ -3,7 +3,7 @@
 Every method is evaluated in this one process on the same weights, the same held-out
 passkey prompts (same keys, depths and filler for every method) and the same perplexity text;
 the two fine-tunes see byte-identical batches. The work is the ``context_ext.yarn`` stage's
-own code (``context_ext.extend.run``), so the figures are the stage's.
+own code (``context_ext.yarn_stage.run``), so the figures are the stage's.
 
 CPU example (the tiny default base from ``warsha run recipes/arabic-tiny.yaml --only
 bootstrap``; about 20-40 minutes on 2 idle cores)::
@@ -38,12 +38,20 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZ
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=REPO / "runs" / "arabic-tiny" / "bootstrap",
-                    help="unscaled HF model directory (RoPE)")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=REPO / "runs" / "arabic-tiny" / "bootstrap",
+        help="unscaled HF model directory (RoPE)",
+    )
     ap.add_argument("--method", default="yarn", choices=["yarn", "linear", "ntk"])
     ap.add_argument("--factor", type=float, default=4.0)
-    ap.add_argument("--target-length", type=int, default=0,
-                    help="fine-tune row length (0: original x factor); e.g. factor 8 on 4x rows, as YaRN trains short, tests long")
+    ap.add_argument(
+        "--target-length",
+        type=int,
+        default=0,
+        help="fine-tune row length (0: original x factor); e.g. factor 8 on 4x rows, as YaRN trains short, tests long",
+    )
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-4)
@@ -75,8 +83,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from context_ext.extend import run
     from context_ext.stages import YarnParams
+    from context_ext.yarn_stage import run
     from warsha.data import DataConfig, load_corpus
     from warsha.stage import StageContext
     from warsha.tracking import Tracker
@@ -88,26 +96,52 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus(DataConfig(collections=args.collections.split(",")))
-    ctx = StageContext(stage="context_ext.yarn", stage_id="bench", recipe=None, out_dir=work,  # type: ignore[arg-type]
-                       inputs={"model": args.model}, input_manifests={"model": None},
-                       checkpoint_dir=work / "checkpoints", tracker=Tracker(), device="cpu", seed=0,
-                       _corpus=corpus)
-    params = YarnParams(method=args.method, factor=args.factor, target_length=args.target_length or None,
-                        steps=args.steps, batch_size=args.batch_size,
-                        lr=args.lr, answer_weight=args.answer_weight, retrieval_fraction=args.retrieval_fraction,
-                        copy_fraction=args.copy_fraction, curriculum=args.curriculum,
-                        lm_positions=args.lm_positions, warmup_steps=args.warmup_steps,
-                        checkpoint_every=args.checkpoint_every, min_trials=args.min_trials, max_trials=args.max_trials, ci_half_width=args.half_width,
-                        lang=args.lang, ppl_documents=args.ppl_documents,
-                        finetune_baselines=[m for m in args.finetune_baselines.split(",") if m],
-                        baselines=[m for m in args.baselines.split(",") if m])
+    ctx = StageContext(
+        stage="context_ext.yarn",
+        stage_id="bench",
+        recipe=None,
+        out_dir=work,  # type: ignore[arg-type]
+        inputs={"model": args.model},
+        input_manifests={"model": None},
+        checkpoint_dir=work / "checkpoints",
+        tracker=Tracker(),
+        device="cpu",
+        seed=0,
+        _corpus=corpus,
+    )
+    params = YarnParams(
+        method=args.method,
+        factor=args.factor,
+        target_length=args.target_length or None,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        answer_weight=args.answer_weight,
+        retrieval_fraction=args.retrieval_fraction,
+        copy_fraction=args.copy_fraction,
+        curriculum=args.curriculum,
+        lm_positions=args.lm_positions,
+        warmup_steps=args.warmup_steps,
+        checkpoint_every=args.checkpoint_every,
+        min_trials=args.min_trials,
+        max_trials=args.max_trials,
+        ci_half_width=args.half_width,
+        lang=args.lang,
+        ppl_documents=args.ppl_documents,
+        finetune_baselines=[m for m in args.finetune_baselines.split(",") if m],
+        baselines=[m for m in args.baselines.split(",") if m],
+    )
     t0 = time.perf_counter()
     metrics = run(ctx, params)
     wall = time.perf_counter() - t0
     table = (work / "context_ext.md").read_text()
     print(table)
-    result = {"model": str(args.model), "args": {k: str(v) for k, v in vars(args).items()},
-              "wall_time_s": wall, "metrics": metrics}
+    result = {
+        "model": str(args.model),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "wall_time_s": wall,
+        "metrics": metrics,
+    }
     (args.out / "context_bench.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out / 'context_bench.json'} and {work / 'context_ext.png'} ({wall / 60:.1f} min)")
 

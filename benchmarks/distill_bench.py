@@ -25,7 +25,6 @@ Prints a table and writes ``benchmarks/results/distill_bench.json``. Never run i
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import time
@@ -44,9 +43,17 @@ def make_ctx(out: Path, model_dir: Path | None, seed: int = 0) -> Any:
 
     out.mkdir(parents=True, exist_ok=True)
     return StageContext(
-        stage="bench", stage_id="bench", recipe=Recipe(name="bench", data=DataConfig()), out_dir=out,
-        inputs={"model": model_dir} if model_dir else {}, input_manifests={}, checkpoint_dir=out / "ckpt",
-        tracker=Tracker(), device="cpu", seed=seed, log=logging.getLogger("bench"),
+        stage="bench",
+        stage_id="bench",
+        recipe=Recipe(name="bench", data=DataConfig()),
+        out_dir=out,
+        inputs={"model": model_dir} if model_dir else {},
+        input_manifests={},
+        checkpoint_dir=out / "ckpt",
+        tracker=Tracker(),
+        device="cpu",
+        seed=seed,
+        log=logging.getLogger("bench"),
     )
 
 
@@ -56,11 +63,24 @@ def train_target(args: argparse.Namespace) -> None:
     from warsha.schema import from_dict
 
     problems: list[str] = []
-    params = from_dict(STAGE.params, {
-        "arabic_share": 0.5, "max_train_tokens": 3_000_000, "eval_documents": 50,
-        "train": {"steps": args.steps, "batch_size": 8, "seq_len": 128, "lr": 2e-3, "warmup_steps": 20,
-                  "checkpoint_every": 40},
-    }, "params", problems)
+    params = from_dict(
+        STAGE.params,
+        {
+            "arabic_share": 0.5,
+            "max_train_tokens": 3_000_000,
+            "eval_documents": 50,
+            "train": {
+                "steps": args.steps,
+                "batch_size": 8,
+                "seq_len": 128,
+                "lr": 2e-3,
+                "warmup_steps": 20,
+                "checkpoint_every": 40,
+            },
+        },
+        "params",
+        problems,
+    )
     assert not problems, problems
     metrics = STAGE.run(make_ctx(Path(args.out), None), params)
     print(json.dumps({k: metrics[k] for k in ("ar", "en", "train")}, indent=1))
@@ -71,9 +91,21 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     out = [(f"layers{args.layers}-{loss}", {"loss": loss, "baseline": i == 0}) for i, loss in enumerate(args.losses)]
     if args.config_hidden:
         h = args.config_hidden
-        out.append((f"config-h{h}-fkl", {"method": "config", "hidden_size": h, "intermediate_size": h * 11 // 4,
-                                         "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "loss": "fkl",
-                                         "baseline": True}))
+        out.append(
+            (
+                f"config-h{h}-fkl",
+                {
+                    "method": "config",
+                    "hidden_size": h,
+                    "intermediate_size": h * 11 // 4,
+                    "num_layers": 1,
+                    "num_heads": 4,
+                    "num_kv_heads": 2,
+                    "loss": "fkl",
+                    "baseline": True,
+                },
+            )
+        )
     return out
 
 
@@ -83,10 +115,21 @@ def run_bench(args: argparse.Namespace) -> None:
     from warsha.schema import from_dict
 
     base = {
-        "layers": args.layers, "max_train_documents": args.train_docs, "eval_documents": 48, "eval_len": 128,
-        "spec_prompts": args.spec_prompts, "spec_new_tokens": 48, "on_policy_fraction": args.on_policy,
-        "train": {"steps": args.steps, "batch_size": 8, "seq_len": 128, "lr": args.lr, "warmup_steps": 10,
-                  "checkpoint_every": 50},
+        "layers": args.layers,
+        "max_train_documents": args.train_docs,
+        "eval_documents": 48,
+        "eval_len": 128,
+        "spec_prompts": args.spec_prompts,
+        "spec_new_tokens": 48,
+        "on_policy_fraction": args.on_policy,
+        "train": {
+            "steps": args.steps,
+            "batch_size": 8,
+            "seq_len": 128,
+            "lr": args.lr,
+            "warmup_steps": 10,
+            "checkpoint_every": 50,
+        },
     }
     rows: dict[str, Any] = {}
     for i, (name, over) in enumerate(variants(args)):
@@ -120,8 +163,9 @@ def hf_assisted(target_dir: Path, draft_dir: Path, ctx: Any, new_tokens: int = 4
         for text in texts:
             ids = tok(text, return_tensors="pt").input_ids[:, :16]
             with torch.inference_mode():
-                gen = target.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, **kwargs)
+                gen = target.generate(
+                    ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs
+                )
             n += gen.shape[1] - ids.shape[1]
         out[f"{label}_tokens_per_s"] = n / (time.perf_counter() - t0)
     out["speedup"] = out["assisted_tokens_per_s"] / out["target_alone_tokens_per_s"]
@@ -139,8 +183,11 @@ def print_table(rows: dict[str, Any]) -> None:
                 continue
             sp = m["speedup"].get(d, {}).get("t1", {})
             label = name if d == "distilled" else f"{name} [{d}]"
-            print(f"{label:28} {acc['t0']:9.3f} {acc['t1']:9.3f} {m['bits_per_char'][d]:7.3f}"
-                  f" {m['cost']['cost_ratio']:6.3f} {sp.get('best_k', '-')!s:>6} {sp.get('best_expected', float('nan')):10.2f}")
+            print(
+                f"{label:28} {acc['t0']:9.3f} {acc['t1']:9.3f} {m['bits_per_char'][d]:7.3f}"
+                f" {m['cost']['cost_ratio']:6.3f} {sp.get('best_k', '-')!s:>6} "
+                f"{sp.get('best_expected', float('nan')):10.2f}"
+            )
     for name, m in rows.items():
         if name.startswith("peer"):
             print(name, json.dumps(m))

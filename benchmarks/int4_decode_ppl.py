@@ -42,7 +42,9 @@ def decode_nll(model: LlamaModel, ids: list[int], block_size: int = 16) -> float
     blocks = -(-len(ids) // block_size)
     kv, table, total = model.new_kv_cache(blocks, block_size), list(range(blocks)), 0.0
     for pos in range(len(ids) - 1):
-        step = ForwardBatch(torch.tensor([ids[pos]]), torch.tensor([pos]), [SeqChunk(0, 1, pos + 1, table)], torch.tensor([0]))
+        step = ForwardBatch(
+            torch.tensor([ids[pos]]), torch.tensor([pos]), [SeqChunk(0, 1, pos + 1, table)], torch.tensor([0])
+        )
         logits = model.forward(step, kv)[0].double()
         total += float(torch.logsumexp(logits, 0) - logits[ids[pos + 1]])
     return total
@@ -61,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (d / "config.json").is_file():
             p.error(f"{d} has no config.json: pass a model directory")
     torch.set_num_threads(args.threads)
-    corpus = load_corpus(DataConfig(source="hadith", strip_diacritics=True, validation_fraction=0.02, test_fraction=0.02))
+    corpus = load_corpus(
+        DataConfig(source="hadith", strip_diacritics=True, validation_fraction=0.02, test_fraction=0.02)
+    )
     tok = Tokenizer(args.int4)
     models = {
         "int4_int8_activations": LlamaModel.load(args.int4, int4_activations="int8"),
@@ -77,10 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'lang':5} {'int4 int8-act':>14} {'int4 float-act':>15} {'unquantized':>12} {'int8/float':>11}")
     for lang, r in report.items():
         ratio = r["int4_int8_activations"] / r["int4_float_activations"]
-        print(f"{lang:5} {r['int4_int8_activations']:14.3f} {r['int4_float_activations']:15.3f} {r['unquantized_bf16']:12.3f} {ratio:11.4f}")
+        print(
+            f"{lang:5} {r['int4_int8_activations']:14.3f} {r['int4_float_activations']:15.3f} "
+            f"{r['unquantized_bf16']:12.3f} {ratio:11.4f}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"int4_decode_ppl-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"int4": str(args.int4), "reference": str(args.reference), "perplexity": report}, indent=2))
+    out.write_text(
+        json.dumps({"int4": str(args.int4), "reference": str(args.reference), "perplexity": report}, indent=2)
+    )
     print(f"wrote {out}")
     return 0
 

@@ -22,7 +22,8 @@ anchor's regime; x4 gives +0.3% and x20 +57%.
 
 Example (the README's quantize rows on the outlier stand-in)::
 
-    .venv/bin/python benchmarks/outlier_standin.py --model runs/arabic-tiny/bootstrap --out runs/bootstrap-w10 --magnitude 10
+    .venv/bin/python benchmarks/outlier_standin.py --model runs/arabic-tiny/bootstrap \
+        --out runs/bootstrap-w10 --magnitude 10
     .venv/bin/python benchmarks/quant_bench.py --model runs/bootstrap-w10 --methods rtn,rtn-asym,awq,gptq
 """
 
@@ -36,8 +37,10 @@ from typing import Any
 
 import torch
 
-NORM_FEEDS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+NORM_FEEDS = {
+    "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 def pick_channels(hidden: int, count: int, seed: int) -> list[int]:
@@ -88,8 +91,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True, help="where to write the stand-in (must not exist)")
     p.add_argument("--channels", type=int, default=4, help="outlier channels per layer (same ones in every layer)")
     p.add_argument("--magnitude", type=float, default=10.0, help="the factor moved between norm and weights")
-    p.add_argument("--kind", choices=("weight", "activation"), default="weight",
-                   help="weight: the fed columns grow (their groups' grids coarsen); activation: the norm's channels grow")
+    p.add_argument(
+        "--kind",
+        choices=("weight", "activation"),
+        default="weight",
+        help="weight: the fed columns grow (their groups' grids coarsen); activation: the norm's channels grow",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.out.exists():

@@ -11,6 +11,7 @@ accuracies are printed. Example (the run behind the README's yarn row)::
         --steps 120 --trials 20 --lengths 256,1024,2048 --lang en --copy 0.4 --retr 0.4 --curr 0.5 \
         --lmpos 0.25 --lr 1e-3 --eval-every 60
 """
+
 import argparse
 import json
 import math
@@ -20,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
+
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--model", default="runs/arabic-tiny/adapt", help="HF model directory with a RoPE config")
 ap.add_argument("--method", default="yarn")
@@ -41,11 +43,12 @@ ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--lang", default="ar")
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
-from context_ext import longdata, passkey, suite
-from context_ext.extend import resolve
-from context_ext.stages import YarnParams
-from warsha.data import DataConfig, load_corpus
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer  # noqa: E402  (after set_num_threads)
+
+from context_ext import longdata, passkey, suite  # noqa: E402  (after set_num_threads)
+from context_ext.stages import YarnParams  # noqa: E402  (after set_num_threads)
+from context_ext.yarn_stage import resolve  # noqa: E402  (after set_num_threads)
+from warsha.data import DataConfig, load_corpus  # noqa: E402  (after set_num_threads)
 
 p = YarnParams(method=a.method, factor=a.factor, target_length=a.target or None, baselines=[], finetune_baselines=[])
 base_cfg = json.loads((Path(a.model) / "config.json").read_text())
@@ -58,36 +61,58 @@ fmt = passkey.PasskeyFormat(tok)
 model = suite.load_variant(Path(a.model), plan.configs[a.method], "float32")
 lengths = [int(x) for x in a.lengths.split(",")]
 
+
 def ev(tag: str) -> dict[int, float]:
     """Passkey accuracy per length (exact greedy match, ``--trials`` prompts each)."""
     model.eval()
     out = {}
     for L in lengths:
-        t = time.time()
-        c = passkey.evaluate_length(model, fmt, filler, L, min_trials=a.trials, max_trials=a.trials, batch_size=max(1, 4096 // L))
+        c = passkey.evaluate_length(
+            model, fmt, filler, L, min_trials=a.trials, max_trials=a.trials, batch_size=max(1, 4096 // L)
+        )
         out[L] = round(c.accuracy, 3)
     print(tag, out, flush=True)
     model.train()
     return out
 
+
 ev("step 0")
-b = longdata.make_batches(tok, corpus, a.lang, plan.target, a.bs, a.retr, 0, answer_weight=a.aw, copy_fraction=a.copy,
-                          start_len=plan.original, steps=a.steps, curriculum=a.curr, lm_positions=a.lmpos, max_stream_tokens=400_000)
+b = longdata.make_batches(
+    tok,
+    corpus,
+    a.lang,
+    plan.target,
+    a.bs,
+    a.retr,
+    0,
+    answer_weight=a.aw,
+    copy_fraction=a.copy,
+    start_len=plan.original,
+    steps=a.steps,
+    curriculum=a.curr,
+    lm_positions=a.lmpos,
+    max_stream_tokens=400_000,
+)
 opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
 model.train()
 t0 = time.time()
 for step in range(a.steps):
     lr = a.lr * min(1, (step + 1) / max(1, a.warmup))
     lr = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.steps))) if step >= a.warmup else lr
-    for g in opt.param_groups: g["lr"] = lr
+    for g in opt.param_groups:
+        g["lr"] = lr
     batch = b(step, 0, 0)
     loss = longdata.weighted_lm_loss(model, batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step(); opt.zero_grad()
+    opt.step()
+    opt.zero_grad()
     if step % 10 == 0:
-        print(f"step {step} len {b.length_at(step)} loss {loss.item():.3f} {(time.time()-t0)/(step+1):.2f}s/step", flush=True)
+        print(
+            f"step {step} len {b.length_at(step)} loss {loss.item():.3f} {(time.time() - t0) / (step + 1):.2f}s/step",
+            flush=True,
+        )
     if (step + 1) % a.eval_every == 0 and step + 1 < a.steps:
-        ev(f"step {step+1}")
+        ev(f"step {step + 1}")
 ev(f"final {a.steps}")
 print("train time", time.time() - t0)

@@ -62,10 +62,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--calib-langs", default="ar,en", help="calibration languages, interleaved by document")
     p.add_argument("--eval-documents", type=int, default=300, help="validation documents per language")
     p.add_argument("--eval-max-length", type=int, default=256)
-    p.add_argument("--methods", default="rtn,awq,gptq",
-                   help="comma list of rtn, rtn-asym (RTN on AWQ's asymmetric grid: AWQ's like-for-like baseline), awq, gptq")
-    p.add_argument("--gptq-act-order", action=argparse.BooleanOptionalAction, default=True,
-                   help="act-order with static groups (llm-compressor's default 'static')")
+    p.add_argument(
+        "--methods",
+        default="rtn,awq,gptq",
+        help="comma list of rtn, rtn-asym (RTN on AWQ's asymmetric grid: AWQ's like-for-like baseline), awq, gptq",
+    )
+    p.add_argument(
+        "--gptq-act-order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="act-order with static groups (llm-compressor's default 'static')",
+    )
     p.add_argument("--threads", type=int, default=1, help="1 is fastest on a busy 2-core machine")
     p.add_argument("--no-peers", action="store_true", help="skip llm-compressor")
     p.add_argument("--peer-load", action="store_true", help="also load Warsha's exports with GPTQModel")
@@ -77,7 +84,12 @@ def warsha_params(method: str, args: argparse.Namespace) -> Any:
     """The stage's own parameter dataclass, so the bench runs exactly what a recipe would."""
     from quantize.stages import AWQParams, GPTQParams, RTNParams
 
-    common = {"bits": args.bits, "group_size": args.group_size, "on_bad_group": "fallback", "eval_max_length": args.eval_max_length}
+    common = {
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "on_bad_group": "fallback",
+        "eval_max_length": args.eval_max_length,
+    }
     if method == "rtn":
         return RTNParams(**common)
     if method == "rtn-asym":
@@ -88,7 +100,9 @@ def warsha_params(method: str, args: argparse.Namespace) -> Any:
     return GPTQParams(**common, **calib, desc_act=args.gptq_act_order, static_groups=True)
 
 
-def warsha_method(method: str, args: argparse.Namespace, calib: Any, texts: dict, tok: Any, keep: Path) -> tuple[dict, dict]:
+def warsha_method(
+    method: str, args: argparse.Namespace, calib: Any, texts: dict, tok: Any, keep: Path
+) -> tuple[dict, dict]:
     """Quantize, export, load back through the dequant reference, score per document."""
     import torch
 
@@ -107,11 +121,19 @@ def warsha_method(method: str, args: argparse.Namespace, calib: Any, texts: dict
     algo = "rtn" if method.startswith("rtn") else method.split("-")[0]
     quantized, _ = quantize_model(model, arch, algo, params, None if algo == "rtn" else calib, "cpu", plan)
     wall = time.perf_counter() - start
-    qc = quantization_config(params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), _format_extra(algo, params))
+    qc = quantization_config(
+        params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), _format_extra(algo, params)
+    )
     export(model, quantized, args.model, keep, qc)
     scores = score(load_dequantized(keep), tok, texts, args)
-    info = {"seconds": wall, "size_bytes": dir_bytes(keep), "format": params.format, "sym": params.sym,
-            "unquantized_linears": sorted(plan.skipped), "export_dir": str(keep)}
+    info = {
+        "seconds": wall,
+        "size_bytes": dir_bytes(keep),
+        "format": params.format,
+        "sym": params.sym,
+        "unquantized_linears": sorted(plan.skipped),
+        "export_dir": str(keep),
+    }
     if method == "gptq":
         info["desc_act"] = params.desc_act
     return info, scores
@@ -128,11 +150,25 @@ def run_llmcompressor(args: argparse.Namespace, calib: Any, ignore: list[str], t
     import torch
 
     job = tmp / "job.pt"
-    torch.save({"model": str(args.model.resolve()), "calib": calib, "bits": args.bits, "group_size": args.group_size,
-                "methods": ["gptq", "awq"], "ignore": ignore, "threads": args.threads,
-                "gptq_actorder": "static" if args.gptq_act_order else None}, job)
-    res = subprocess.run([str(PEER_PYTHON), str(PEERS / "llmcompressor_quant.py"), str(job), str(tmp / "lc")],
-                         text=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    torch.save(
+        {
+            "model": str(args.model.resolve()),
+            "calib": calib,
+            "bits": args.bits,
+            "group_size": args.group_size,
+            "methods": ["gptq", "awq"],
+            "ignore": ignore,
+            "threads": args.threads,
+            "gptq_actorder": "static" if args.gptq_act_order else None,
+        },
+        job,
+    )
+    res = subprocess.run(
+        [str(PEER_PYTHON), str(PEERS / "llmcompressor_quant.py"), str(job), str(tmp / "lc")],
+        text=True,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     if res.returncode != 0:
         return {"error": res.stderr[-1500:]}
     return json.loads((tmp / "lc" / "result.json").read_text())
@@ -141,8 +177,12 @@ def run_llmcompressor(args: argparse.Namespace, calib: Any, ignore: list[str], t
 def peer_load(export_dir: Path, method: str, group_size: int) -> dict[str, Any]:
     """GPTQModel loads a Warsha export; its JSON report (or the failure)."""
     out = RESULTS / f"peer_load-{method}-g{group_size}.json"
-    res = subprocess.run([str(PEER_PYTHON), str(PEERS / "gptqmodel_load.py"), str(export_dir), "--out", str(out)],
-                         text=True, capture_output=True, env={**os.environ, "GPTQMODEL_CPU_WORKERS": "2"})
+    res = subprocess.run(
+        [str(PEER_PYTHON), str(PEERS / "gptqmodel_load.py"), str(export_dir), "--out", str(out)],
+        text=True,
+        capture_output=True,
+        env={**os.environ, "GPTQMODEL_CPU_WORKERS": "2"},
+    )
     if not out.is_file():
         return {"error": res.stderr[-1500:]}
     return json.loads(out.read_text())
@@ -164,7 +204,11 @@ def compare(results: dict[str, Any], scores: dict[str, dict]) -> None:
         refs = dict(pairs)
         if name.startswith("warsha-awq") or name == "llmcompressor-awq":
             refs["vs_rtn_asym"] = "warsha-rtn-asym"  # the same asymmetric grid, no calibration
-        peer = {"warsha-gptq": "llmcompressor-gptq", "warsha-awq": "llmcompressor-awq", "warsha-awq-noclip": "llmcompressor-awq"}.get(name)
+        peer = {
+            "warsha-gptq": "llmcompressor-gptq",
+            "warsha-awq": "llmcompressor-awq",
+            "warsha-awq-noclip": "llmcompressor-awq",
+        }.get(name)
         if peer:
             refs["vs_peer"] = peer
         for key, ref in refs.items():
@@ -176,9 +220,19 @@ def compare(results: dict[str, Any], scores: dict[str, dict]) -> None:
 
 def table(results: dict[str, Any]) -> str:
     langs = list(results["unquantized"]["scores"])
-    keys = ["increase", "vs_rtn"] + (["vs_rtn_asym"] if any("vs_rtn_asym" in r for r in results.values()) else []) + ["vs_peer"]
-    titles = {"increase": "+ppl {} (se)", "vs_rtn": "vs RTN {}", "vs_rtn_asym": "vs RTN-asym {}", "vs_peer": "vs peer {}"}
-    head = ["method"] + [f"ppl {l}" for l in langs] + [titles[k].format(l) for k in keys for l in langs] + ["seconds"]
+    keys = (
+        ["increase", "vs_rtn"]
+        + (["vs_rtn_asym"] if any("vs_rtn_asym" in r for r in results.values()) else [])
+        + ["vs_peer"]
+    )
+    titles = {
+        "increase": "+ppl {} (se)",
+        "vs_rtn": "vs RTN {}",
+        "vs_rtn_asym": "vs RTN-asym {}",
+        "vs_peer": "vs peer {}",
+    }
+    head = ["method"] + [f"ppl {lang}" for lang in langs]
+    head += [titles[k].format(lang) for k in keys for lang in langs] + ["seconds"]
     fmt = lambda v: f"{100 * v[0]:+.2f}% ({100 * v[1]:.2f})"  # noqa: E731
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
@@ -187,9 +241,9 @@ def table(results: dict[str, Any]) -> str:
         if "scores" not in r:
             lines.append(f"| {name} | failed: {str(r.get('error', '?'))[-120:]} |")
             continue
-        cells = [name] + [f"{r['scores'][l]['perplexity']:.3f}" for l in langs]
+        cells = [name] + [f"{r['scores'][lang]['perplexity']:.3f}" for lang in langs]
         for key in keys:
-            cells += [fmt(r[key][l]) if key in r else "" for l in langs]
+            cells += [fmt(r[key][lang]) if key in r else "" for lang in langs]
         cells.append(f"{r['seconds']:.1f}" if "seconds" in r else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -209,7 +263,8 @@ def main() -> None:
     corpus = load_corpus(DataConfig(strip_diacritics=True, validation_fraction=0.02, test_fraction=0.02))
     tok = AutoTokenizer.from_pretrained(args.model)
     langs = args.calib_langs.split(",")
-    calib = calibration_ids(tok, interleave([corpus.texts(l, "train") for l in langs], 0), args.n_samples, args.seq_len)
+    texts = interleave([corpus.texts(lang, "train") for lang in langs], 0)
+    calib = calibration_ids(tok, texts, args.n_samples, args.seq_len)
     texts = {lang: corpus.texts(lang, "validation")[: args.eval_documents] for lang in ("ar", "en")}
     results: dict[str, Any] = {"unquantized": {}}
     scores = {"unquantized": score(load_model(args.model, torch.float32), tok, texts, args)}
@@ -235,11 +290,20 @@ def main() -> None:
                     scores[f"llmcompressor-{method}"] = score(model, tok, texts, args)
                     print(f"llmcompressor-{method}: {r['seconds']:.1f} s", flush=True)
     compare(results, scores)
-    report = {"model": str(args.model), "bits": args.bits, "group_size": args.group_size, "n_samples": args.n_samples,
-              "seq_len": args.seq_len, "calib_langs": langs, "eval_documents": args.eval_documents,
-              "eval_max_length": args.eval_max_length, "threads": args.threads, "gptq_act_order": args.gptq_act_order,
-              "increase_format": "[relative perplexity change, standard error over documents (paired)]",
-              "results": results}
+    report = {
+        "model": str(args.model),
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "n_samples": args.n_samples,
+        "seq_len": args.seq_len,
+        "calib_langs": langs,
+        "eval_documents": args.eval_documents,
+        "eval_max_length": args.eval_max_length,
+        "threads": args.threads,
+        "gptq_act_order": args.gptq_act_order,
+        "increase_format": "[relative perplexity change, standard error over documents (paired)]",
+        "results": results,
+    }
     out = args.out or RESULTS / f"quant_bench-g{args.group_size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -52,9 +52,10 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -91,7 +92,9 @@ def digit_row(digits: Sequence[int], length: int, rng: random.Random, bos: int |
     return synthetic.fill_repeats(span, length, bos)
 
 
-def passkey_row(fmt: passkey.PasskeyFormat, filler: Sequence[int], length: int, rng: random.Random) -> tuple[list[int], list[float]]:
+def passkey_row(
+    fmt: passkey.PasskeyFormat, filler: Sequence[int], length: int, rng: random.Random
+) -> tuple[list[int], list[float]]:
     """A training passkey sample; loss on the answer and on the needle's repeat of the key."""
     sample = passkey.make_sample(fmt, filler, length, passkey.train_depth(rng), rng, "train")
     ids, n = sample.input_ids, sample.answer_len
@@ -141,7 +144,9 @@ class RowMix:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="HF base model directory (RoPE, digit-splitting tokenizer)")
+    ap.add_argument(
+        "--model", type=Path, required=True, help="HF base model directory (RoPE, digit-splitting tokenizer)"
+    )
     ap.add_argument("--out", type=Path, required=True, help="where the stand-in is written (HF directory)")
     ap.add_argument("--steps", type=int, default=1400, help="training steps (stops early at --stop-at)")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW peak rate (3e-3 stalled the later digits)")
@@ -149,8 +154,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lengths", default="64,128,256", help="row lengths, each <= the model's context")
     ap.add_argument("--digit-fraction", type=float, default=0.35, help="share of digit-copy rows")
     ap.add_argument("--lm-fraction", type=float, default=0.15, help="share of corpus rows")
-    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
-                    help="learning rate after 10 warm-up steps: constant grows the copy circuit, cosine settles it")
+    ap.add_argument(
+        "--schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="learning rate after 10 warm-up steps: constant grows the copy circuit, cosine settles it",
+    )
     ap.add_argument("--eval-every", type=int, default=100, help="steps between passkey checks at the context")
     ap.add_argument("--trials", type=int, default=40, help="passkey trials per check")
     ap.add_argument("--stop-at", type=float, default=0.95, help="stop once accuracy at the context reaches this")
@@ -165,7 +174,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.digit_fraction + args.lm_fraction < 1:
         ap.error("--digit-fraction + --lm-fraction must be in [0, 1): the rest are passkey rows")
     if not (args.model / "config.json").is_file():
-        ap.error(f"--model: no config.json in {args.model}; run `warsha run recipes/arabic-tiny.yaml --only bootstrap` first")
+        ap.error(
+            f"--model: no config.json in {args.model}; run `warsha run recipes/arabic-tiny.yaml --only bootstrap` first"
+        )
     return args
 
 
@@ -222,11 +233,11 @@ def save(model: Any, tokenizer: Any, out: Path, report: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from context_ext.longdata import heldout_texts, train_texts
     from warsha.data import DataConfig, load_corpus
+    from warsha.progress import progress
     from warsha.training import weighted_lm_loss
 
     if args.threads:
@@ -244,12 +255,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     fmt = passkey.PasskeyFormat(tokenizer)
     filler = passkey.filler_stream(tokenizer, texts[:half])
     eval_filler = passkey.filler_stream(tokenizer, heldout_texts(corpus, args.lang)[:500])
-    mix = RowMix(fmt, filler, passkey.filler_stream(tokenizer, texts[half : half + 4000]), digit_ids(tokenizer),
-                 lengths, args.tokens, args.digit_fraction, args.lm_fraction, args.seed)
+    mix = RowMix(
+        fmt,
+        filler,
+        passkey.filler_stream(tokenizer, texts[half : half + 4000]),
+        digit_ids(tokenizer),
+        lengths,
+        args.tokens,
+        args.digit_fraction,
+        args.lm_fraction,
+        args.seed,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     curve: list[dict[str, float]] = []
     t0 = time.perf_counter()
-    bar = tqdm(range(args.steps), desc="retrieval stand-in", unit="step")
+    bar = progress(range(args.steps), desc="retrieval stand-in", unit="step")
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = rate(args.lr, step, args.steps, args.schedule)
@@ -262,10 +282,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             acc = check(model, fmt, eval_filler, context, args.trials)
             curve.append({"step": step + 1, "passkey_at_context": acc, "minutes": (time.perf_counter() - t0) / 60})
-            tqdm.write(f"step {step + 1}: passkey at {context} tokens {acc:.0%} ({args.trials} trials)")
+            bar.write(f"step {step + 1}: passkey at {context} tokens {acc:.0%} ({args.trials} trials)")
             if acc >= args.stop_at:
                 break
-    report = {"base": str(args.model), "context": context, "curve": curve, "args": {k: str(v) for k, v in vars(args).items()}}
+    report = {
+        "base": str(args.model),
+        "context": context,
+        "curve": curve,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     save(model, tokenizer, args.out, report)
     print(json.dumps(report["curve"][-1] if curve else {}, indent=1))
     print(f"wrote {args.out}")

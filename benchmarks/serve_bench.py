@@ -38,7 +38,8 @@ Targets the team aims for are printed as ratios and never asserted. `--threads` 
 (on a shared machine extra OpenMP threads mostly wait on each other); the README's figures use
 `--threads 2`, the idle 2-core host's cores, with one-thread figures beside them. Every engine
 runs with the same setting. The predicted speedup in (c) assumes independent acceptance; drafts
-fail in runs, so the measured `len` (tokens per verification) is usually higher than it implies. Results go to benchmarks/results/serve_bench-<time>.json.
+fail in runs, so the measured `len` (tokens per verification) is usually higher than it implies.
+Results go to benchmarks/results/serve_bench-<time>.json.
 """
 
 from __future__ import annotations
@@ -67,24 +68,43 @@ from serve.stats import percentile  # noqa: E402
 from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4),
-    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8),
-    "spec": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8),
+    "small": dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4
+    ),
+    "medium": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8
+    ),
+    "spec": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8
+    ),
     # TinyLlama-1.1B's shape (22 layers): a real small model, where the bf16 head is 6% of the weights
-    "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4),
+    "large": dict(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4
+    ),
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # --------------------------------------------------------------------------- models
-def build_random_model(path: Path, preset: str, seed: int = 0, damp_from: int | None = None, vocab: int = 32000, damp: float = 0.006) -> Path:
+def build_random_model(
+    path: Path, preset: str, seed: int = 0, damp_from: int | None = None, vocab: int = 32000, damp: float = 0.006
+) -> Path:
     """A random bf16 Llama checkpoint; layers from `damp_from` on optionally scaled down by `damp`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (path / "config.json").is_file():
         return path
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, initializer_range=0.05, **PRESETS[preset])
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.05,
+        **PRESETS[preset],
+    )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     if damp_from is not None:
         with torch.no_grad():
@@ -144,7 +164,14 @@ def quantize_rtn_gptq(src: Path, dst: Path, group_size: int = 128) -> Path:
         out[f"{module}.scales"] = scale.half()
         out[f"{module}.g_idx"] = (torch.arange(k_in) // group_size).to(torch.int32)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": False, "desc_act": False, "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": False,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+    }
     (dst / "config.json").write_text(json.dumps(cfg))
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
@@ -162,7 +189,9 @@ def dequantized_reference(int4_dir: Path) -> LlamaModel:
     state = load_state_dict(int4_dir)
     for name in [n for n in state if n.endswith(".qweight")]:
         m = name[: -len(".qweight")]
-        state[f"{m}.weight"] = gptq_dequantize(state.pop(name), state.pop(f"{m}.qzeros"), state.pop(f"{m}.scales"), state.pop(f"{m}.g_idx"))
+        state[f"{m}.weight"] = gptq_dequantize(
+            state.pop(name), state.pop(f"{m}.qzeros"), state.pop(f"{m}.scales"), state.pop(f"{m}.g_idx")
+        )
     return LlamaModel(dataclasses.replace(cfg, quant=None), state, torch.float32)
 
 
@@ -173,25 +202,39 @@ def hf_load(path: Path, dtype: torch.dtype = torch.bfloat16):  # noqa: ANN201
 
 
 # --------------------------------------------------------------------------- workloads
-def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int) -> list[tuple[list[int], int]]:
+def workload(
+    n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*out_range)) for _ in range(n)]
+    return [
+        ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*out_range))
+        for _ in range(n)
+    ]
 
 
 def latency_summary(ttft: list[float], tpot: list[float]) -> dict[str, float | None]:
-    return {"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+    return {
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
+    }
 
 
 REPEATS = 1
 
 
-def run_warsha(model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any) -> dict[str, Any]:
+def run_warsha(
+    model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any
+) -> dict[str, Any]:
     """Best (highest tok/s) of REPEATS runs with a fresh engine each; the machine is shared and noisy."""
     runs = [_run_warsha_once(model_dir, reqs, draft_dir, **kwargs) for _ in range(REPEATS)]
     return max(runs, key=lambda r: r["tok_per_s"])
 
 
-def _run_warsha_once(model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any) -> dict[str, Any]:
+def _run_warsha_once(
+    model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any
+) -> dict[str, Any]:
     """Offline run of all requests at once; metrics from the engine's own statistics."""
     llm = LLM(model_dir, draft_dir, **kwargs)
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -205,8 +248,27 @@ def _run_warsha_once(model_dir: Path, reqs: list[tuple[list[int], int]], draft_d
     s = llm.stats.summary()
     tokens = sum(len(o.token_ids) for o in outs)
     return {
-        "tokens": tokens, "seconds": wall, "tok_per_s": tokens / wall, "outputs": [o.token_ids for o in outs],
-        **{k: s[k] for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "kv_waste", "kv_waste_contiguous", "kv_waste_max_len", "preemptions", "acceptance_rate", "mean_accepted_length", "spec_steps", "plain_decode_steps")},
+        "tokens": tokens,
+        "seconds": wall,
+        "tok_per_s": tokens / wall,
+        "outputs": [o.token_ids for o in outs],
+        **{
+            k: s[k]
+            for k in (
+                "ttft_p50",
+                "ttft_p99",
+                "tpot_p50",
+                "tpot_p99",
+                "kv_waste",
+                "kv_waste_contiguous",
+                "kv_waste_max_len",
+                "preemptions",
+                "acceptance_rate",
+                "mean_accepted_length",
+                "spec_steps",
+                "plain_decode_steps",
+            )
+        },
     }
 
 
@@ -241,7 +303,9 @@ def _run_hf_static_once(model, reqs: list[tuple[list[int], int]], batch_size: in
         clock = _Clock()
         cfg = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, logits_processor=LogitsProcessorList([clock]))
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=cfg, logits_processor=LogitsProcessorList([clock])
+            )
         for row, (p, n) in enumerate(chunk):
             outputs.append(out[row, width : width + n].tolist())
             ttft.append(clock.times[0] - start)
@@ -251,7 +315,14 @@ def _run_hf_static_once(model, reqs: list[tuple[list[int], int]], batch_size: in
         waste_alloc += len(chunk) * (width + max_new)
     wall = time.perf_counter() - start
     tokens = sum(n for _, n in reqs)
-    return {"tokens": tokens, "seconds": wall, "tok_per_s": tokens / wall, "outputs": outputs, "kv_waste_static_batch": 1 - waste_used / waste_alloc, **latency_summary(ttft, tpot)}
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tok_per_s": tokens / wall,
+        "outputs": outputs,
+        "kv_waste_static_batch": 1 - waste_used / waste_alloc,
+        **latency_summary(ttft, tpot),
+    }
 
 
 def run_hf_cb(model, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:  # noqa: ANN001
@@ -268,8 +339,13 @@ def _run_hf_cb_once(model, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(n for _, n in reqs))
     results: dict[str, Any] = {}
     start = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, block=True, timeout=5) as manager:
-        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True, eos_token_id=-1) for i, (p, n) in enumerate(reqs)]
+    with model.continuous_batching_context_manager(
+        generation_config=gen, continuous_batching_config=cb, block=True, timeout=5
+    ) as manager:
+        ids = [
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True, eos_token_id=-1)
+            for i, (p, n) in enumerate(reqs)
+        ]
         while len(results) < len(reqs):
             res = manager.get_result(timeout=1)
             if res is not None and res.is_finished():
@@ -287,7 +363,13 @@ def _run_hf_cb_once(model, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
             if len(stamps) > 1:
                 tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     tokens = sum(len(o) for o in outputs)
-    return {"tokens": tokens, "seconds": wall, "tok_per_s": tokens / wall, "outputs": outputs, **latency_summary(ttft, tpot)}
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tok_per_s": tokens / wall,
+        "outputs": outputs,
+        **latency_summary(ttft, tpot),
+    }
 
 
 def identical(a: list[list[int]], b: list[list[int]]) -> float:
@@ -321,14 +403,24 @@ def scenario_a(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     res["identical_to_hf_bf16"] = identical(res["warsha"]["outputs"], res["hf_generate"]["outputs"])
     # bf16 noise floor: HF's own batch-16 outputs against HF at batch 1 on a few requests
     few = [(p, min(n, 48)) for p, n in reqs[:4]]
-    b1 = [hf.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p, m in few]
+    b1 = [
+        hf.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p, m in few
+    ]
     res["bf16_prefix_agreement_vs_hf_batch1"] = {
         "warsha": prefix_agreement([o[:m] for o, (_, m) in zip(res["warsha"]["outputs"], few)], b1),
         "hf_generate_batch16": prefix_agreement([o[:m] for o, (_, m) in zip(res["hf_generate"]["outputs"], few)], b1),
     }
     small = workload(8, (8, 64), (24, 24), 32000, seed=1)
     hf32 = hf_load(model_dir, torch.float32)
-    ref = [hf32.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p, m in small]
+    ref = [
+        hf32.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
+        for p, m in small
+    ]
     res["identical_to_hf_fp32_subset"] = identical(run_warsha(model_dir, small, dtype="float32")["outputs"], ref)
     return res
 
@@ -367,7 +459,9 @@ def scenario_b(small_dir: Path, int4_dirs: dict[str, Path], args: argparse.Names
         for act in ("int8", "float"):  # decode rows: activations quantized per 32 features, or float32
             model = LlamaModel.load(int4_dir, int4_activations=act)
             got = torch.stack([decode_logits(model, prompt[: 8 + i]) for i in range(8)])
-            res[f"{preset}_int4_{act}_decode_logits_rel_error_vs_dequantized_fp32"] = float((got - ref[7:15]).norm() / ref[7:15].norm())
+            res[f"{preset}_int4_{act}_decode_logits_rel_error_vs_dequantized_fp32"] = float(
+                (got - ref[7:15]).norm() / ref[7:15].norm()
+            )
             res[f"{preset}_warsha_int4_{act}_tok_s"] = decode_rate(int4_dir, prompt, n, int4_activations=act)
         res[f"{preset}_warsha_bf16_tok_s"] = decode_rate(bf16_dir, prompt, n)
         res[f"{preset}_hf_bf16_tok_s"] = hf_decode_rate(hf_load(bf16_dir), prompt, n)
@@ -381,8 +475,15 @@ def decode_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     kv = model.new_kv_cache(blocks, bs)
     table = list(range(blocks))
     head = len(ids) - 1
-    model.forward(ForwardBatch(torch.tensor(ids[:head]), torch.arange(head), [SeqChunk(0, head, head, table)], torch.tensor([head - 1])), kv)
-    step = ForwardBatch(torch.tensor(ids[head:]), torch.tensor([head]), [SeqChunk(0, 1, len(ids), table)], torch.tensor([0]))
+    model.forward(
+        ForwardBatch(
+            torch.tensor(ids[:head]), torch.arange(head), [SeqChunk(0, head, head, table)], torch.tensor([head - 1])
+        ),
+        kv,
+    )
+    step = ForwardBatch(
+        torch.tensor(ids[head:]), torch.tensor([head]), [SeqChunk(0, 1, len(ids), table)], torch.tensor([0])
+    )
     return model.forward(step, kv)[0]
 
 
@@ -417,12 +518,19 @@ def scenario_c(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> d
         alpha = spec["acceptance_rate"] or 0.0
         predicted = ((1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1) / (1 + k * c)
         res["batches"][batch] = {
-            "plain_tok_s": plain["tok_per_s"], "spec_tok_s": spec["tok_per_s"], "speedup": spec["tok_per_s"] / plain["tok_per_s"],
+            "plain_tok_s": plain["tok_per_s"],
+            "spec_tok_s": spec["tok_per_s"],
+            "speedup": spec["tok_per_s"] / plain["tok_per_s"],
             # decode phase alone (TPOT, after the first token): what speculation changes; tok/s above includes prefill
             "decode_speedup": plain["tpot_p50"] / spec["tpot_p50"],
-            "always_spec_tok_s": forced["tok_per_s"], "always_spec_speedup": forced["tok_per_s"] / plain["tok_per_s"],
-            "acceptance_rate": spec["acceptance_rate"], "mean_accepted_length": spec["mean_accepted_length"],
-            "cost_ratio_c": c, "predicted_speedup": predicted, "spec_steps": spec["spec_steps"], "plain_steps": spec["plain_decode_steps"],
+            "always_spec_tok_s": forced["tok_per_s"],
+            "always_spec_speedup": forced["tok_per_s"] / plain["tok_per_s"],
+            "acceptance_rate": spec["acceptance_rate"],
+            "mean_accepted_length": spec["mean_accepted_length"],
+            "cost_ratio_c": c,
+            "predicted_speedup": predicted,
+            "spec_steps": spec["spec_steps"],
+            "plain_steps": spec["plain_decode_steps"],
             "identical_to_plain": identical(plain["outputs"], spec["outputs"]),
         }
     return res
@@ -443,22 +551,37 @@ def print_report(results: dict[str, Any]) -> None:
         for name in ("warsha", "hf_generate", "hf_continuous_batching"):
             r = a.get(name) or {}
             if "tok_per_s" in r:
-                print(f"{name:26} {r['tok_per_s']:8.1f} {_fmt(r['ttft_p50']):>9} {_fmt(r['ttft_p99']):>9} {_fmt(r['tpot_p50']):>9} {_fmt(r['tpot_p99']):>9}")
+                print(
+                    f"{name:26} {r['tok_per_s']:8.1f} {_fmt(r['ttft_p50']):>9} {_fmt(r['ttft_p99']):>9} "
+                    f"{_fmt(r['tpot_p50']):>9} {_fmt(r['tpot_p99']):>9}"
+                )
             elif r:
                 print(f"{name:26} failed: {r.get('error')}")
         w = a["warsha"]
-        print(f"KV waste: paged {_fmt(w['kv_waste'])}, contiguous prompt+max_tokens {_fmt(w['kv_waste_contiguous'])}, "
-              f"contiguous max_model_len {_fmt(w['kv_waste_max_len'])}, HF static batch {_fmt(a['hf_generate']['kv_waste_static_batch'])}")
-        print(f"greedy identical to HF: bf16 workload {_fmt(a['identical_to_hf_bf16'])}, fp32 subset {_fmt(a['identical_to_hf_fp32_subset'])}")
+        print(
+            f"KV waste: paged {_fmt(w['kv_waste'])}, contiguous prompt+max_tokens {_fmt(w['kv_waste_contiguous'])}, "
+            f"contiguous max_model_len {_fmt(w['kv_waste_max_len'])}, HF static batch "
+            f"{_fmt(a['hf_generate']['kv_waste_static_batch'])}"
+        )
+        print(
+            f"greedy identical to HF: bf16 workload {_fmt(a['identical_to_hf_bf16'])}, fp32 subset "
+            f"{_fmt(a['identical_to_hf_fp32_subset'])}"
+        )
         agree = a["bf16_prefix_agreement_vs_hf_batch1"]
-        print(f"bf16 prefix agreement with HF batch-1: warsha {_fmt(agree['warsha'])}, HF's own batch-16 {_fmt(agree['hf_generate_batch16'])}")
+        print(
+            f"bf16 prefix agreement with HF batch-1: warsha {_fmt(agree['warsha'])}, HF's own batch-16 "
+            f"{_fmt(agree['hf_generate_batch16'])}"
+        )
         for name, target in (("hf_generate", 2.0), ("hf_continuous_batching", 3.0)):
             if "tok_per_s" in (a.get(name) or {}):
                 print(f"ratio vs {name}: {w['tok_per_s'] / a[name]['tok_per_s']:.2f}x (team target >= {target}x)")
     b = results.get("b")
     if b:
         print("\n(b) batch-1 decode tok/s:", {k: _fmt(v) for k, v in b.items()})
-        print(f"ratio Warsha/HF bf16 (small): {b['small_warsha_bf16_tok_s'] / b['small_hf_bf16_tok_s']:.2f}x (target >= 1.2x)")
+        print(
+            f"ratio Warsha/HF bf16 (small): {b['small_warsha_bf16_tok_s'] / b['small_hf_bf16_tok_s']:.2f}x "
+            "(target >= 1.2x)"
+        )
         for preset in PRESETS:
             for act in ("int8", "float"):
                 if f"{preset}_warsha_int4_{act}_tok_s" in b:
@@ -467,13 +590,23 @@ def print_report(results: dict[str, Any]) -> None:
     c = results.get("c")
     if c:
         print(f"\n(c) speculative decoding, k={c['k']}")
-        print(f"{'batch':>5} {'plain':>8} {'adaptive':>8} {'speedup':>8} {'decode':>7} {'always':>8} {'accept':>7} {'len':>5} {'c':>6} {'pred':>6} {'same':>5}")
+        print(
+            f"{'batch':>5} {'plain':>8} {'adaptive':>8} {'speedup':>8} {'decode':>7} {'always':>8} "
+            f"{'accept':>7} {'len':>5} {'c':>6} {'pred':>6} {'same':>5}"
+        )
         for bsz, r in c["batches"].items():
-            print(f"{bsz:>5} {r['plain_tok_s']:8.1f} {r['spec_tok_s']:8.1f} {r['speedup']:8.2f} {r['decode_speedup']:7.2f} {r['always_spec_speedup']:8.2f} {_fmt(r['acceptance_rate']):>7} "
-                  f"{_fmt(r['mean_accepted_length']):>5} {r['cost_ratio_c']:6.2f} {r['predicted_speedup']:6.2f} {_fmt(r['identical_to_plain']):>5}")
-        print("team target: batch 1 speedup >= 1.8x. speedup = tok/s with prefill; decode = TPOT ratio. 'same' = greedy outputs identical with and without the draft;"
-              " in bf16 the verify forward (k+1 queries) rounds differently from 1-query decode, so near-ties can flip"
-              " (the fp32 tests prove exactness)")
+            print(
+                f"{bsz:>5} {r['plain_tok_s']:8.1f} {r['spec_tok_s']:8.1f} {r['speedup']:8.2f} "
+                f"{r['decode_speedup']:7.2f} {r['always_spec_speedup']:8.2f} {_fmt(r['acceptance_rate']):>7} "
+                f"{_fmt(r['mean_accepted_length']):>5} {r['cost_ratio_c']:6.2f} {r['predicted_speedup']:6.2f} "
+                f"{_fmt(r['identical_to_plain']):>5}"
+            )
+        print(
+            "team target: batch 1 speedup >= 1.8x. speedup = tok/s with prefill; decode = TPOT ratio. 'same' = "
+            "greedy outputs identical with and without the draft;"
+            " in bf16 the verify forward (k+1 queries) rounds differently from 1-query decode, so near-ties can flip"
+            " (the fp32 tests prove exactness)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,7 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer requests and shorter outputs")
     p.add_argument("--skip-cb", action="store_true", help="skip transformers' continuous batching")
     p.add_argument("--no-medium", action="store_true", help="skip the hidden-1024 and -2048 presets (int4 and spec)")
-    p.add_argument("--int4-presets", default="medium,large", help="presets for the int4-vs-bf16 decode comparison of (b)")
+    p.add_argument(
+        "--int4-presets", default="medium,large", help="presets for the int4-vs-bf16 decode comparison of (b)"
+    )
     p.add_argument("--num-spec-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the best is reported")
@@ -497,8 +632,15 @@ def main(argv: list[str] | None = None) -> int:
     small = args.model_dir or build_random_model(args.workdir / "small", "small")
     presets = [] if args.no_medium or args.model_dir else [p for p in args.int4_presets.split(",") if p]
     int4_dirs = {p: build_random_model(args.workdir / p, p) for p in presets}
-    results: dict[str, Any] = {"threads": args.threads, "repeats": REPEATS, "quick": args.quick, "model_dir": str(small), "torch": torch.__version__,
-                               "cpu_native_bf16": bf16_matmul_is_fast(), "serve_cpu_kernels": cpu_kernels.available()}
+    results: dict[str, Any] = {
+        "threads": args.threads,
+        "repeats": REPEATS,
+        "quick": args.quick,
+        "model_dir": str(small),
+        "torch": torch.__version__,
+        "cpu_native_bf16": bf16_matmul_is_fast(),
+        "serve_cpu_kernels": cpu_kernels.available(),
+    }
     if "a" in scenarios:
         results["a"] = scenario_a(small, args)
     if "b" in scenarios:

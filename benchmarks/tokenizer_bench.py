@@ -27,10 +27,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tokenizer_ext import byte_bpe, extend, family, sp_bpe
 from warsha.data import DataConfig, load_corpus
 from warsha.evaluate import fertility, hf_encoder
-
-from tokenizer_ext import byte_bpe, extend, family, sp_bpe
 
 RESULTS = Path(__file__).parent / "results"
 MISTRAL = importlib.resources.files("mistral_common") / "data"
@@ -53,9 +52,14 @@ def describe(name: str, tok: Any, base: Any, corpus: Any, first_added: int, dead
     f_ar, f_en = fertility(hf_encoder(tok), ar), fertility(hf_encoder(tok), en)
     same = tok(en, add_special_tokens=False)["input_ids"] == base(en, add_special_tokens=False)["input_ids"]
     return {
-        "tokenizer": name, "vocab": len(tok), "added": len(tok) - first_added,
-        "ar_tokens_per_word": f_ar.tokens_per_word, "en_tokens_per_word": f_en.tokens_per_word,
-        "ar_chars_per_token": f_ar.chars_per_token, "en_unchanged": same, "dead_added": dead,
+        "tokenizer": name,
+        "vocab": len(tok),
+        "added": len(tok) - first_added,
+        "ar_tokens_per_word": f_ar.tokens_per_word,
+        "en_tokens_per_word": f_en.tokens_per_word,
+        "ar_chars_per_token": f_ar.chars_per_token,
+        "en_unchanged": same,
+        "dead_added": dead,
         "encode_chars_per_s": throughput(tok, ar + en),
     }
 
@@ -64,7 +68,7 @@ def sp_rows(corpus: Any, added: int, tmp: Path) -> list[dict[str, Any]]:
     """Base SentencePiece, Warsha's extension, and the naive append."""
     from transformers import AutoTokenizer
 
-    from warsha.sp_convert import sp_model_to_hf
+    from warsha.sentencepiece_hf import sp_model_to_hf
 
     base_proto = sp_bpe.load_proto(Path(str(MISTRAL / "tokenizer.model.v1")))
     train, held = corpus.texts("ar", "train"), corpus.texts("ar", "validation")
@@ -83,14 +87,34 @@ def sp_rows(corpus: Any, added: int, tmp: Path) -> list[dict[str, Any]]:
         dirs[name] = AutoTokenizer.from_pretrained(d)
     base = dirs["base"]
     rows = [describe("sentencepiece base (mistral v1)", base, base, corpus, 32000, None)]
-    rows.append(describe(f"sentencepiece + warsha ({len(kept)})", dirs["warsha"], base, corpus, 32000,
-                         len(sp_bpe.unreached(merged.proto, 32000, held))))
-    rows.append(describe("sentencepiece + naive append", dirs["naive"], base, corpus, 32000,
-                         len(sp_bpe.unreached(naive, 32000, held))))
+    rows.append(
+        describe(
+            f"sentencepiece + warsha ({len(kept)})",
+            dirs["warsha"],
+            base,
+            corpus,
+            32000,
+            len(sp_bpe.unreached(merged.proto, 32000, held)),
+        )
+    )
+    rows.append(
+        describe(
+            "sentencepiece + naive append",
+            dirs["naive"],
+            base,
+            corpus,
+            32000,
+            len(sp_bpe.unreached(naive, 32000, held)),
+        )
+    )
     target_only = sp_bpe.processor(target)
-    rows.append({"tokenizer": f"target-only BPE ({added}, reference)",
-                 "ar_tokens_per_word": sum(map(len, target_only.encode(held))) / sum(len(t.split()) for t in held),
-                 "train_seconds": train_s})
+    rows.append(
+        {
+            "tokenizer": f"target-only BPE ({added}, reference)",
+            "ar_tokens_per_word": sum(map(len, target_only.encode(held))) / sum(len(t.split()) for t in held),
+            "train_seconds": train_s,
+        }
+    )
     return rows
 
 
@@ -122,37 +146,63 @@ def byte_rows(corpus: Any, added: int) -> list[dict[str, Any]]:
     from tokenizer_ext.checks import byte_unreached
 
     n = 131072
-    return [describe("byte-level base (tekken 240718)", base, base, corpus, n, None),
-            describe(f"byte-level + warsha ({len(result.added)})", ext, base, corpus, n,
-                     len(byte_unreached(ext, n, corpus.texts("ar", "validation"))))]
+    return [
+        describe("byte-level base (tekken 240718)", base, base, corpus, n, None),
+        describe(
+            f"byte-level + warsha ({len(result.added)})",
+            ext,
+            base,
+            corpus,
+            n,
+            len(byte_unreached(ext, n, corpus.texts("ar", "validation"))),
+        ),
+    ]
 
 
 def adaptation(model_dir: Path, corpus: Any, steps: int, added: int, tmp: Path) -> dict[str, Any]:
     """extend -> embed -> adapt (QLoRA) on ``model_dir``, with the same-budget base control."""
-    from warsha.stage import StageContext
-    from warsha.training import TrainParams
-
     from tokenizer_ext import adapt, embed
     from tokenizer_ext.stages import AdaptParams, EmbedParams, ExtendParams
+    from warsha.stage import StageContext
+    from warsha.training import TrainParams
 
     class Tracker:
         def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
             pass
 
     def ctx(name: str, src: Path) -> StageContext:
-        return StageContext(stage=name, stage_id=name, recipe=SimpleNamespace(data=corpus.config, seed=0),
-                            out_dir=tmp / name, inputs={"model": src}, input_manifests={},
-                            checkpoint_dir=tmp / f"{name}.ckpt", tracker=Tracker(), device="cpu", seed=0,
-                            _corpus=corpus)
+        return StageContext(
+            stage=name,
+            stage_id=name,
+            recipe=SimpleNamespace(data=corpus.config, seed=0),
+            out_dir=tmp / name,
+            inputs={"model": src},
+            input_manifests={},
+            checkpoint_dir=tmp / f"{name}.ckpt",
+            tracker=Tracker(),
+            device="cpu",
+            seed=0,
+            _corpus=corpus,
+        )
 
     out: dict[str, Any] = {}
     c = ctx("extend", model_dir)
-    out["extend"] = {k: v for k, v in extend.run(c, ExtendParams(vocab_size=32000 + added)).items()
-                     if k in ("added_pieces", "unreachable_added", "fertility")}
+    out["extend"] = {
+        k: v
+        for k, v in extend.run(c, ExtendParams(vocab_size=32000 + added)).items()
+        if k in ("added_pieces", "unreachable_added", "fertility")
+    }
     e = ctx("embed", c.out_dir)
     out["embed"] = embed.run(e, EmbedParams(eval_docs=64))
-    train = TrainParams(steps=steps, batch_size=8, seq_len=256, lr=1e-3, warmup_steps=max(1, steps // 10),
-                        checkpoint_every=max(steps, 1), log_every=10)
+    train = TrainParams(
+        steps=steps,
+        batch_size=8,
+        seq_len=256,
+        lr=1e-3,
+        warmup_steps=max(1, steps // 10),
+        checkpoint_every=max(steps, 1),
+        log_every=10,
+    )
     out["adapt"] = adapt.run(ctx("adapt", e.out_dir), AdaptParams(train=train, eval_docs=64, gen_tokens=64))
     return out
 
@@ -171,10 +221,12 @@ def from_run(run: Path) -> dict[str, Any]:
 
 def adaptation_table(a: dict[str, Any]) -> str:
     """Bits per character: base, extended at init, extended adapted, base adapted (same budget)."""
-    rows = [("base model", a["adapt"].get("base_model", {}).get("bits_per_char")),
-            ("extended, at init", a.get("embed", {}).get("bits_per_char", {}).get("extended_init")),
-            ("extended, adapted", a["adapt"]["extended"].get("bits_per_char")),
-            ("base, adapted (same budget)", a["adapt"].get("base_same_budget", {}).get("bits_per_char"))]
+    rows = [
+        ("base model", a["adapt"].get("base_model", {}).get("bits_per_char")),
+        ("extended, at init", a.get("embed", {}).get("bits_per_char", {}).get("extended_init")),
+        ("extended, adapted", a["adapt"]["extended"].get("bits_per_char")),
+        ("base, adapted (same budget)", a["adapt"].get("base_same_budget", {}).get("bits_per_char")),
+    ]
     lines = ["model | ar bpc | en bpc"]
     for name, bpc in rows:
         if bpc:
@@ -184,15 +236,29 @@ def adaptation_table(a: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Plain-text table of the tokenizer rows."""
-    cols = ["tokenizer", "vocab", "added", "ar_tokens_per_word", "en_tokens_per_word", "ar_chars_per_token",
-            "en_unchanged", "dead_added", "encode_chars_per_s"]
+    cols = [
+        "tokenizer",
+        "vocab",
+        "added",
+        "ar_tokens_per_word",
+        "en_tokens_per_word",
+        "ar_chars_per_token",
+        "en_unchanged",
+        "dead_added",
+        "encode_chars_per_s",
+    ]
     lines = [" | ".join(cols)]
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c, "")
-            cells.append(f"{v:,.3f}" if isinstance(v, float) and c != "encode_chars_per_s" else
-                         f"{v:,.0f}" if isinstance(v, float) else str(v))
+            cells.append(
+                f"{v:,.3f}"
+                if isinstance(v, float) and c != "encode_chars_per_s"
+                else f"{v:,.0f}"
+                if isinstance(v, float)
+                else str(v)
+            )
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 

@@ -10,8 +10,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from context_ext import passkey
 from warsha import synthetic
@@ -77,8 +78,8 @@ class LongBatches:
     that repeat a filler span several times make most of their tokens copy targets, the
     densest copy signal there is (at the demo's size it still did not grow the circuit in a
     few hundred steps; see ``warsha.synthetic``); passkey rows teach the prompt format; corpus
-    rows keep the language model, in both languages when ``source_fraction`` > 0. Loss weights are zero outside the scored tokens, so the LM head only
-    runs where it is needed (see ``weighted_lm_loss``).
+    rows keep the language model, in both languages when ``source_fraction`` > 0. Loss weights
+    are zero outside the scored tokens, so the LM head only runs where it is needed (see ``weighted_lm_loss``).
 
     A curriculum doubles the row length from ``start_len`` up to ``seq_len`` over the first
     ``curriculum`` share of steps, with the same number of tokens per step: copying is learnt
@@ -200,8 +201,20 @@ def make_batches(
     filler = passkey.filler_stream(tokenizer, texts[: min(len(texts), 2000)])
     fmt = passkey.PasskeyFormat(tokenizer)
     return LongBatches(
-        stream, filler, fmt, seq_len, batch_size, retrieval_fraction, seed, tuple(avoid_depths), answer_weight,
-        copy_fraction, start_len, steps, curriculum, lm_positions,
+        stream,
+        filler,
+        fmt,
+        seq_len,
+        batch_size,
+        retrieval_fraction,
+        seed,
+        tuple(avoid_depths),
+        answer_weight,
+        copy_fraction,
+        start_len,
+        steps,
+        curriculum,
+        lm_positions,
     )
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
@@ -128,7 +129,13 @@ def make_sample(
 
 
 def eval_samples(
-    fmt: PasskeyFormat, filler: Sequence[int], length: int, depths: Sequence[float], rounds: int, seed: int, start: int = 0
+    fmt: PasskeyFormat,
+    filler: Sequence[int],
+    length: int,
+    depths: Sequence[float],
+    rounds: int,
+    seed: int,
+    start: int = 0,
 ) -> list[Sample]:
     """Rounds ``start..start+rounds`` of evaluation samples, one per depth per round.
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def _passkey_cell(cell: dict[str, Any]) -> str:
@@ -11,17 +12,26 @@ def _passkey_cell(cell: dict[str, Any]) -> str:
     return f"{100 * cell['accuracy']:.0f}% [{100 * low:.0f}-{100 * high:.0f}] (n={cell['trials']})"
 
 
-def table(results: dict[str, dict[str, Any]], lengths: Sequence[int], short: dict[str, dict[str, float]],
-          original: int, short_other: dict[str, dict[str, float]] | None = None) -> str:
+def table(
+    results: dict[str, dict[str, Any]],
+    lengths: Sequence[int],
+    short: dict[str, dict[str, float]],
+    original: int,
+    short_other: dict[str, dict[str, float]] | None = None,
+) -> str:
     """One markdown table: passkey accuracy with its 95% interval, perplexity, short-context ratios
     (in the fine-tune's language and, when given, in the corpus's other language)."""
     mult = [f"{n / original:g}x" for n in lengths]
     short_keys = sorted({k for v in short.values() for k in v}, key=int)
     other = short_other or {}
     other_keys = sorted({k for v in other.values() for k in v}, key=int)
-    head = (["method"] + [f"passkey {m} ({n})" for m, n in zip(mult, lengths)]
-            + [f"ppl {m}" for m in mult] + [f"short ppl / none @{k}" for k in short_keys]
-            + [f"other language short ppl / none @{k}" for k in other_keys])
+    head = (
+        ["method"]
+        + [f"passkey {m} ({n})" for m, n in zip(mult, lengths)]
+        + [f"ppl {m}" for m in mult]
+        + [f"short ppl / none @{k}" for k in short_keys]
+        + [f"other language short ppl / none @{k}" for k in other_keys]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in results.items():
         row = [name]
@@ -30,10 +40,12 @@ def table(results: dict[str, dict[str, Any]], lengths: Sequence[int], short: dic
         row += [f"{short[name][k]:.3f}" for k in short_keys]
         row += [f"{other[name][k]:.3f}" if name in other else "-" for k in other_keys]
         lines.append("| " + " | ".join(row) + " |")
-    note = ("\nPasskey: exact greedy match of a 5-digit key at depths "
-            "10-90%, 95% Wilson interval in brackets; ppl: sliding-window perplexity on held-out "
-            "text (window = the length, stride half of it); short ppl / none: perplexity at or "
-            "below the original length divided by the unscaled model's.\n")
+    note = (
+        "\nPasskey: exact greedy match of a 5-digit key at depths "
+        "10-90%, 95% Wilson interval in brackets; ppl: sliding-window perplexity on held-out "
+        "text (window = the length, stride half of it); short ppl / none: perplexity at or "
+        "below the original length divided by the unscaled model's.\n"
+    )
     return "\n".join(lines) + "\n" + note
 
 
@@ -67,4 +79,3 @@ def plot(results: dict[str, dict[str, Any]], lengths: Sequence[int], original: i
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-

@@ -204,6 +204,4 @@ def from_rope_parameters(
             params.get("mscale_all_dim"),
             params.get("attention_factor"),
         )
-    raise ValueError(
-        f"rope_type {kind!r}: not supported by context_ext (supported: default, linear, dynamic, yarn)"
-    )
+    raise ValueError(f"rope_type {kind!r}: not supported by context_ext (supported: default, linear, dynamic, yarn)")

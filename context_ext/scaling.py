@@ -41,9 +41,31 @@ Method = Literal["yarn", "linear", "ntk"]
 RECORD_KEY = "warsha_context_ext"
 # Architectures whose configs may omit every RoPE key (old checkpoints) yet use RoPE.
 ROPE_MODEL_TYPES = {
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-    "gemma3_text", "phi", "phi3", "olmo", "olmo2", "starcoder2", "stablelm", "granite", "cohere",
-    "internlm2", "deepseek_v2", "deepseek_v3", "gpt_neox", "falcon", "exaone", "smollm3",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi",
+    "phi3",
+    "olmo",
+    "olmo2",
+    "starcoder2",
+    "stablelm",
+    "granite",
+    "cohere",
+    "internlm2",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_neox",
+    "falcon",
+    "exaone",
+    "smollm3",
 }
 YARN_OPTIONS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
@@ -124,9 +146,7 @@ def _previous_method(state: RopeState) -> str:
     return {"dynamic": "ntk"}.get(state.rope_type, state.rope_type)
 
 
-def plan(
-    state: RopeState, method: Method, factor: float, original: int | None, compose: bool
-) -> tuple[float, int]:
+def plan(state: RopeState, method: Method, factor: float, original: int | None, compose: bool) -> tuple[float, int]:
     """The total factor and original length to write; refuses to scale a scaled config twice."""
     if factor <= 1:
         raise ValueError(f"factor: must be > 1, got {factor}")

@@ -1,16 +1,16 @@
 """Stage ``context_ext.yarn``: extend a RoPE model's context, fine-tune it long, prove both ends.
 
 Imports only the schema here (the runner imports this module to validate recipes); the work
-is in ``context_ext.extend``.
+is in ``context_ext.yarn_stage``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from warsha.schema import check, ge, gt, le
-from warsha.stage import StageContext, StageDef
+from warsha.stage import StageDef
 
 Method = Literal["yarn", "linear", "ntk"]
 Baseline = Literal["none", "linear", "ntk", "yarn"]
@@ -49,13 +49,20 @@ class YarnParams:
         default=0.0, metadata=check(ge(0.0), le(1.0), help="share of rows that repeat a filler span (copy targets)")
     )
     curriculum: float = field(
-        default=0.0, metadata=check(ge(0.0), le(1.0), help="share of steps spent ramping row length up from the original")
+        default=0.0,
+        metadata=check(ge(0.0), le(1.0), help="share of steps spent ramping row length up from the original"),
     )
     lm_positions: float = field(
         default=1.0, metadata=check(gt(0.0), le(1.0), help="share of corpus-row targets scored (saves LM-head time)")
     )
-    source_fraction: float = field(default=0.0, metadata=check(
-        ge(0.0), le(0.9), help="share of corpus tokens from the corpus's other language, so the fine-tune does not erase it"))
+    source_fraction: float = field(
+        default=0.0,
+        metadata=check(
+            ge(0.0),
+            le(0.9),
+            help="share of corpus tokens from the corpus's other language, so the fine-tune does not erase it",
+        ),
+    )
     finetune_baselines: list[Method] = field(
         default_factory=lambda: ["linear"], metadata=check(help="also fine-tune these with the same budget")
     )
@@ -70,11 +77,16 @@ class YarnParams:
     max_trials: int = field(default=400, metadata=check(ge(1)))
     ci_half_width: float = field(default=0.05, metadata=check(gt(0.0), help="stop when the 95% CI is this narrow"))
     ppl_documents: int = field(default=2, metadata=check(ge(1)))
-    short_eval_tokens: int = field(default=8192, metadata=check(
-        ge(1), help="held-out tokens of the other language scored at the short lengths (its regression check)"))
+    short_eval_tokens: int = field(
+        default=8192,
+        metadata=check(
+            ge(1), help="held-out tokens of the other language scored at the short lengths (its regression check)"
+        ),
+    )
     eval_batch_tokens: int = field(default=4096, metadata=check(ge(16), help="tokens per eval forward pass"))
     eval_dtype: Literal["auto", "bfloat16", "float32"] = field(
-        default="auto", metadata=check(help="auto: bfloat16 where the device has fast bf16, else float32"))
+        default="auto", metadata=check(help="auto: bfloat16 where the device has fast bf16, else float32")
+    )
     lang: str | None = field(default=None, metadata=check(help="text language; default the corpus target"))
 
     def validate(self) -> list[str]:
@@ -98,7 +110,9 @@ class YarnParams:
         if any(m <= 0 for m in self.eval_multiples + self.short_multiples):
             problems.append("eval_multiples/short_multiples: must be > 0")
         if any(m > 1 for m in self.short_multiples):
-            problems.append(f"short_multiples: must be <= 1 (at or below the original length), got {self.short_multiples}")
+            problems.append(
+                f"short_multiples: must be <= 1 (at or below the original length), got {self.short_multiples}"
+            )
         if self.method in self.finetune_baselines:
             problems.append(f"finetune_baselines: {self.method!r} is the main method; list only the others")
         if self.ntk_dynamic and self.method != "ntk" and "ntk" not in self.baselines:
@@ -106,17 +120,11 @@ class YarnParams:
         return problems
 
 
-def _run(ctx: StageContext, params: YarnParams) -> dict[str, Any]:
-    from context_ext.extend import run
-
-    return run(ctx, params)
-
-
 STAGES = {
     "yarn": StageDef(
         name="context_ext.yarn",
         params=YarnParams,
-        run=_run,
+        entry="context_ext.yarn_stage:run",
         description="RoPE context extension (YaRN; PI and NTK baselines), long fine-tune, passkey + perplexity",
         training=True,
     )

@@ -11,9 +11,10 @@ from __future__ import annotations
 import ctypes
 import gc
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from context_ext import passkey, scaling
 
@@ -54,9 +55,15 @@ class EvalData:
     source_texts: list[str] = field(default_factory=list)  # the other language, scored at short lengths
 
 
-def variant_config(base_cfg: dict[str, Any], method: str, factor: float, original: int | None,
-                   compose: bool = False, ntk_dynamic: bool = False,
-                   yarn_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def variant_config(
+    base_cfg: dict[str, Any],
+    method: str,
+    factor: float,
+    original: int | None,
+    compose: bool = False,
+    ntk_dynamic: bool = False,
+    yarn_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The config dict a method writes (``none`` leaves the base config as it is)."""
     if method == "none":
         return dict(base_cfg)
@@ -132,26 +139,42 @@ def evaluate(model: Any, tokenizer: Any, data: EvalData, s: EvalSettings, desc: 
     out["peak_rss_scope"] = "evaluation" if reset_peak_rss() else "process"
     for length in s.lengths:
         cell = passkey.evaluate_length(
-            model, data.fmt, data.filler, length, s.depths, s.min_trials, s.max_trials,
-            s.half_width, s.batch_for(length), s.seed,
+            model,
+            data.fmt,
+            data.filler,
+            length,
+            s.depths,
+            s.min_trials,
+            s.max_trials,
+            s.half_width,
+            s.batch_for(length),
+            s.seed,
         )
         out["passkey"][str(length)] = cell.as_dict()
     for length in sorted(set(s.lengths) | set(s.short_lengths)):
-        lk = likelihood(model, tokenizer, data.ppl_texts, length, batch_size=s.batch_for(length),
-                        desc=f"{desc} ppl@{length}")
+        lk = likelihood(
+            model, tokenizer, data.ppl_texts, length, batch_size=s.batch_for(length), desc=f"{desc} ppl@{length}"
+        )
         out["perplexity"][str(length)] = lk.perplexity
     if data.source_texts:
         out["perplexity_source"] = {}
         for length in s.short_lengths:
-            lk = likelihood(model, tokenizer, data.source_texts, length, batch_size=s.batch_for(length),
-                            desc=f"{desc} source ppl@{length}")
+            lk = likelihood(
+                model,
+                tokenizer,
+                data.source_texts,
+                length,
+                batch_size=s.batch_for(length),
+                desc=f"{desc} source ppl@{length}",
+            )
             out["perplexity_source"][str(length)] = lk.perplexity
     out["peak_rss_gb"] = peak_rss_gb()
     return out
 
 
-def short_context_ratios(results: dict[str, dict[str, Any]], short_lengths: Sequence[int],
-                         key: str = "perplexity") -> dict[str, dict[str, float]]:
+def short_context_ratios(
+    results: dict[str, dict[str, Any]], short_lengths: Sequence[int], key: str = "perplexity"
+) -> dict[str, dict[str, float]]:
     """Each method's perplexity at short lengths divided by the unscaled model's (1.03 = +3%).
 
     ``key="perplexity_source"``: the same for the corpus's other language (empty when absent).
@@ -160,6 +183,5 @@ def short_context_ratios(results: dict[str, dict[str, Any]], short_lengths: Sequ
         return {}
     ref = results["none"][key]
     return {
-        name: {str(n): r[key][str(n)] / ref[str(n)] for n in short_lengths}
-        for name, r in results.items() if key in r
+        name: {str(n): r[key][str(n)] / ref[str(n)] for n in short_lengths} for name, r in results.items() if key in r
     }

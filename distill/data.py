@@ -12,8 +12,9 @@ run draws exactly the batches the killed run would have drawn.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +93,9 @@ def on_policy_batch(
     return ids, mask
 
 
-def sample(model: Any, prompts: "torch.Tensor", new_tokens: int, temperature: float, generator: "torch.Generator") -> "torch.Tensor":
+def sample(
+    model: Any, prompts: "torch.Tensor", new_tokens: int, temperature: float, generator: "torch.Generator"
+) -> "torch.Tensor":
     """Ancestral sampling of exactly ``new_tokens`` per row with a KV cache (no EOS stop, so
     every row has the same length and the batch needs no padding)."""
     import torch

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -70,8 +71,7 @@ def check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     bad = [i for i in layers if not -num_layers <= i < num_layers]
     if bad:
         raise ValueError(
-            f"layers: {bad} do not exist; the target has {num_layers} layers"
-            f" (valid indices 0..{num_layers - 1})"
+            f"layers: {bad} do not exist; the target has {num_layers} layers (valid indices 0..{num_layers - 1})"
         )
     resolved = [i % num_layers for i in layers]
     if len(set(resolved)) != len(resolved) or resolved != sorted(resolved):
@@ -183,7 +183,9 @@ def project_rows(matrix: "Any", width: int) -> "Any":
     if width == matrix.shape[1]:
         return matrix.clone()
     if width > matrix.shape[1]:
-        raise ValueError(f"hidden_size: a draft wider ({width}) than its target ({matrix.shape[1]}) cannot copy embeddings")
+        raise ValueError(
+            f"hidden_size: a draft wider ({width}) than its target ({matrix.shape[1]}) cannot copy embeddings"
+        )
     _, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     return (matrix.double() @ vh[:width].T).to(matrix.dtype)
 
@@ -191,7 +193,14 @@ def project_rows(matrix: "Any", width: int) -> "Any":
 def _clean(cfg: dict[str, Any]) -> dict[str, Any]:
     """Config dict minus the keys that describe a saved instance rather than an architecture."""
     cfg = dict(cfg)
-    for key in ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "quantization_config"):
+    for key in (
+        "_name_or_path",
+        "transformers_version",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "quantization_config",
+    ):
         cfg.pop(key, None)
     return cfg
 

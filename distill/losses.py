@@ -86,7 +86,6 @@ def compress_topk(logprobs: "torch.Tensor", k: int) -> tuple["torch.Tensor", "to
 def expand_topk(vals: "torch.Tensor", idx: "torch.Tensor", vocab: int) -> "torch.Tensor":
     """Full log-probabilities from a top-k cache: the cached ones, and the rest of the mass
     split evenly over the other ``vocab - k`` tokens."""
-    import torch
 
     vals = vals.float()
     kept = vals.exp().sum(-1, keepdim=True).clamp(max=1.0)

@@ -1,6 +1,6 @@
 """Measurements of the drafts and the tables and plot the stage writes beside them.
 
-Every figure comes from ``warsha.acceptance`` (the metric definitions the serving check uses
+Every figure comes from ``warsha.speculative`` (the metric definitions the serving check uses
 too) and ``warsha.evaluate``; this file only chooses the held-out data and lays out results.
 """
 
@@ -47,8 +47,8 @@ def _measure(
     ctx: "StageContext", p: "DraftParams", target: Any, models: dict[str, Any], tokenizer: Any, texts: list[str]
 ) -> dict[str, Any]:
     from distill.data import encode_docs
-    from warsha.acceptance import analytic_acceptance, measure_cost_ratio, plain_tokens_per_s
     from warsha.evaluate import likelihood
+    from warsha.speculative import analytic_acceptance, measure_cost_ratio, plain_tokens_per_s
 
     held_out = [d[: p.eval_len] for d in encode_docs(tokenizer, texts)]
     temps = sorted({0.0, 1.0, *p.spec_temperatures})
@@ -64,7 +64,8 @@ def _measure(
         if ref in out["acceptance"]:
             out[f"gain_over_{ref}"] = {
                 k: out["acceptance"]["distilled"][k] - out["acceptance"][ref][k]
-                for k in out["acceptance"][ref] if k != "positions"
+                for k in out["acceptance"][ref]
+                if k != "positions"
             }
     out["cost"] = measure_cost_ratio(target, models["distilled"], context=p.spec_prompt_len + p.spec_new_tokens)
     prompts = spec_prompts(held_out, p.spec_prompts, p.spec_prompt_len)
@@ -84,7 +85,7 @@ def _speculate(
     """Per temperature and ``k``: the counts of real runs, Leviathan's expected speedup from
     the measured per-token acceptance and cost ratio, and the wall-clock ratio to the plain
     target decode (which, at tiny sizes on CPU, per-call overhead dominates)."""
-    from warsha.acceptance import best_window, empirical_acceptance, expected_speedup
+    from warsha.speculative import best_window, empirical_acceptance, expected_speedup
 
     c = out["cost"]["cost_ratio"]
     runs: dict[str, Any] = {}
@@ -104,7 +105,9 @@ def _speculate(
             "expected": {str(k): expected_speedup(alpha, k, c) for k in p.spec_ks},
             "best_k": k_best,
             "best_expected": s_best,
-            "measured": {str(k): s.as_dict()["tokens_per_s"] / out["plain_tokens_per_s"][key] for k, s in stats.items()},
+            "measured": {
+                str(k): s.as_dict()["tokens_per_s"] / out["plain_tokens_per_s"][key] for k, s in stats.items()
+            },
         }
         ctx.tracker.log({f"spec/{key}/alpha": alpha, f"spec/{key}/best_expected": s_best})
     return runs, speed
@@ -112,21 +115,38 @@ def _speculate(
 
 def write_report(metrics: dict[str, Any], out_dir: Path) -> None:
     """``acceptance.md`` (tables) and ``acceptance_vs_k.png`` next to the draft."""
-    lines = ["# Draft acceptance", "", "Analytic per-token acceptance, sum min(p, q), teacher-forced on validation text:", "",
-             "| draft | alpha T=0 | alpha T=1 | bits/char (target language) |", "|---|---|---|---|"]
+    lines = [
+        "# Draft acceptance",
+        "",
+        "Analytic per-token acceptance, sum min(p, q), teacher-forced on validation text:",
+        "",
+        "| draft | alpha T=0 | alpha T=1 | bits/char (target language) |",
+        "|---|---|---|---|",
+    ]
     for name, acc in metrics["acceptance"].items():
         lines.append(f"| {name} | {acc['t0']:.3f} | {acc['t1']:.3f} | {metrics['bits_per_char'][name]:.3f} |")
     lines.append(f"| target | 1 | 1 | {metrics['bits_per_char']['target']:.3f} |")
     c = metrics["cost"]
-    lines += ["", f"Cost ratio c (draft/target decode step): {c['cost_ratio']:.3f}"
-              f" ({c['draft_ms']:.2f} ms / {c['target_ms']:.2f} ms)", ""]
+    lines += [
+        "",
+        f"Cost ratio c (draft/target decode step): {c['cost_ratio']:.3f}"
+        f" ({c['draft_ms']:.2f} ms / {c['target_ms']:.2f} ms)",
+        "",
+    ]
     for name, per_t in metrics["speculative"].items():
         for t, per_k in per_t.items():
             sp = metrics["speedup"][name][t]
-            lines += [f"## {name}, {t}", "", f"Per-token acceptance over all k: empirical {sp['alpha']:.3f},"
-                      f" analytic on the same contexts {sp['analytic_on_visited']:.3f} ({sp['verified']} positions);"
-                      f" best k {sp['best_k']} (expected speedup {sp['best_expected']:.2f})", "", "| k | acceptance rate | per-token | analytic (visited) |"
-                      " mean accepted length | expected speedup | measured speedup |", "|---|---|---|---|---|---|---|"]
+            lines += [
+                f"## {name}, {t}",
+                "",
+                f"Per-token acceptance over all k: empirical {sp['alpha']:.3f},"
+                f" analytic on the same contexts {sp['analytic_on_visited']:.3f} ({sp['verified']} positions);"
+                f" best k {sp['best_k']} (expected speedup {sp['best_expected']:.2f})",
+                "",
+                "| k | acceptance rate | per-token | analytic (visited) |"
+                " mean accepted length | expected speedup | measured speedup |",
+                "|---|---|---|---|---|---|---|",
+            ]
             for k, s in per_k.items():
                 lines.append(
                     f"| {k} | {s['acceptance_rate']:.3f} | {s['per_token_acceptance']:.3f} |"

@@ -36,12 +36,16 @@ def preflight(p: "DraftParams", target_dir: Path) -> None:
         )
     if p.method == "model":
         dcfg = AutoConfig.from_pretrained(p.draft_path)
-        drafting.assert_same_vocab(AutoTokenizer.from_pretrained(target_dir),
-                                   AutoTokenizer.from_pretrained(p.draft_path), cfg, dcfg)
+        drafting.assert_same_vocab(
+            AutoTokenizer.from_pretrained(target_dir), AutoTokenizer.from_pretrained(p.draft_path), cfg, dcfg
+        )
     limit = cfg.max_position_embeddings
-    for name, n in (("train.seq_len", p.train.seq_len), ("prompt_len + gen_len", p.prompt_len + p.gen_len),
-                    ("eval_len", p.eval_len), ("spec_prompt_len + spec_new_tokens + 8",
-                                               p.spec_prompt_len + p.spec_new_tokens + max(p.spec_ks))):
+    for name, n in (
+        ("train.seq_len", p.train.seq_len),
+        ("prompt_len + gen_len", p.prompt_len + p.gen_len),
+        ("eval_len", p.eval_len),
+        ("spec_prompt_len + spec_new_tokens + 8", p.spec_prompt_len + p.spec_new_tokens + max(p.spec_ks)),
+    ):
         if n > limit:
             raise ValueError(f"{name}: {n} exceeds the target's max_position_embeddings {limit}")
 
@@ -53,8 +57,9 @@ def build_draft(p: "DraftParams", target: Any, ctx: "StageContext") -> Any:
     if p.method == "layers":
         draft = drafting.layer_subset(target, p.layers)
     elif p.method == "config":
-        draft = drafting.from_config(target, p.hidden_size, p.intermediate_size, p.num_layers,
-                                     p.num_heads, p.num_kv_heads, p.init, seed=ctx.seed)
+        draft = drafting.from_config(
+            target, p.hidden_size, p.intermediate_size, p.num_layers, p.num_heads, p.num_kv_heads, p.init, seed=ctx.seed
+        )
     else:
         draft = AutoModelForCausalLM.from_pretrained(p.draft_path, dtype=target.dtype)
     with warnings.catch_warnings(record=True) as caught:
@@ -93,8 +98,16 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
     pools = build_pools(train_docs, p.train.seq_len, p.prompt_len, ctx.seed)
     held_out_texts = load_texts(ctx, "validation", p.eval_documents)
 
-    spec = DistillSpec(p.loss, p.temperature, p.on_policy_fraction, p.on_policy_source, p.prompt_len,
-                       p.gen_len, p.gen_temperature, p.teacher_cache_topk)
+    spec = DistillSpec(
+        p.loss,
+        p.temperature,
+        p.on_policy_fraction,
+        p.on_policy_source,
+        p.prompt_len,
+        p.gen_len,
+        p.gen_temperature,
+        p.teacher_cache_topk,
+    )
     cache = TopkCache(p.teacher_cache_topk, target.config.vocab_size) if p.teacher_cache_topk else None
     student = copy.deepcopy(init).train()
     batch_fn = distill_batches(student, teacher, pools, spec, p.train.batch_size, ctx.seed, cache)
@@ -104,8 +117,9 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
     if cache is not None:
         train_summary["teacher_cache_hits"] = cache.hits
     if p.baseline:
-        base, b_summary = train_or_load(ctx, "baseline", copy.deepcopy(init).train(), p.train,
-                                        baseline_batches(pools, p.train.batch_size, ctx.seed))
+        base, b_summary = train_or_load(
+            ctx, "baseline", copy.deepcopy(init).train(), p.train, baseline_batches(pools, p.train.batch_size, ctx.seed)
+        )
         models["baseline"] = base.float().eval()
         train_summary["baseline"] = b_summary
     del teacher
@@ -129,21 +143,26 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
     return metrics
 
 
-def _draft_vocab(ctx: "StageContext", p: "DraftParams", tokenizer: Any, train_docs: list[list[int]],
-                 held_out_texts: list[str]) -> tuple[list[int], dict[str, Any]]:
+def _draft_vocab(
+    ctx: "StageContext", p: "DraftParams", tokenizer: Any, train_docs: list[list[int]], held_out_texts: list[str]
+) -> tuple[list[int], dict[str, Any]]:
     """The frequent-token subset for serving, and how much held-out text it covers."""
     from distill.data import encode_docs
 
     ids = draft_vocab.frequent_tokens(train_docs, p.draft_vocab_size, tokenizer.all_special_ids)
     held_out = encode_docs(tokenizer, held_out_texts)
     info = {"size": len(ids), "held_out_coverage": draft_vocab.coverage(held_out, ids)}
-    ctx.log.info("distill.draft: draft vocabulary of %d ids covers %.1f%% of held-out tokens",
-                 len(ids), 100 * info["held_out_coverage"])
+    ctx.log.info(
+        "distill.draft: draft vocabulary of %d ids covers %.1f%% of held-out tokens",
+        len(ids),
+        100 * info["held_out_coverage"],
+    )
     return ids, info
 
 
 def describe(init: Any, target: Any, p: "DraftParams") -> dict[str, Any]:
     """Sizes of draft and target, the parts that the embedding and head account for."""
+
     def non_embedding(m: Any) -> int:
         emb = m.get_input_embeddings().weight.numel()
         head = 0 if m.config.tie_word_embeddings else m.get_output_embeddings().weight.numel()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from warsha.schema import check, ge, gt, le
-from warsha.stage import StageContext, StageDef
+from warsha.stage import StageDef
 from warsha.training import TrainParams
 
 
@@ -32,7 +32,8 @@ class DraftParams:
     num_heads: int = field(default=4, metadata=check(ge(1), help="method=config"))
     num_kv_heads: int = field(default=2, metadata=check(ge(1), help="method=config"))
     init: Literal["random", "embedding"] = field(
-        default="embedding", metadata=check(help="method=config: random, or copy/project the target's embedding and head")
+        default="embedding",
+        metadata=check(help="method=config: random, or copy/project the target's embedding and head"),
     )
     draft_path: str | None = field(default=None, metadata=check(help="method=model: an HF draft directory"))
     loss: Literal["fkl", "rkl", "tvd", "jsd"] = "fkl"
@@ -49,8 +50,13 @@ class DraftParams:
     )
     baseline: bool = field(default=True, metadata=check(help="also train the no-teacher baseline"))
     draft_vocab_size: int = field(
-        default=0, metadata=check(ge(0), help="write draft_vocab.json with the N most frequent training tokens;"
-                                  " the serve engine then computes draft logits for those only (0: off)"))
+        default=0,
+        metadata=check(
+            ge(0),
+            help="write draft_vocab.json with the N most frequent training tokens;"
+            " the serve engine then computes draft logits for those only (0: off)",
+        ),
+    )
     max_train_documents: int = field(default=4000, metadata=check(ge(1), help="train documents per language"))
     eval_documents: int = field(default=64, metadata=check(ge(1), help="validation documents per language"))
     eval_len: int = field(default=128, metadata=check(ge(2), help="tokens per held-out sequence"))
@@ -91,17 +97,11 @@ class DraftParams:
         return problems
 
 
-def _run(ctx: StageContext, params: Any) -> dict[str, Any]:
-    from distill.run import run
-
-    return run(ctx, params)
-
-
 STAGES: dict[str, StageDef] = {
     "draft": StageDef(
         name="distill.draft",
         params=DraftParams,
-        run=_run,
+        entry="distill.run:run",
         description="build a draft with the target's tokenizer, distil it, measure acceptance",
         training=True,
     )

@@ -76,7 +76,12 @@ def is_on_policy(step: int, fraction: float, seed: int) -> bool:
 
 
 def distill_batches(
-    student: Any, teacher: Any, pools: Pools, spec: DistillSpec, batch_size: int, seed: int,
+    student: Any,
+    teacher: Any,
+    pools: Pools,
+    spec: DistillSpec,
+    batch_size: int,
+    seed: int,
     cache: TopkCache | None = None,
 ) -> Any:
     """The ``batch_fn`` for distillation: off-policy chunks or on-policy samples, per step."""

@@ -13,8 +13,9 @@ linear's own output error, and the scaled, clipped weights are rounded to neares
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

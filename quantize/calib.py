@@ -10,7 +10,8 @@ corpus cannot fill them, that is an error that says how many tokens were found.
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,9 @@ def interleave(per_lang: Sequence[Sequence[str]], seed: int) -> list[str]:
     return out
 
 
-def calibration_ids(tokenizer: Any, texts: Sequence[str], n_samples: int, seq_len: int, chunk: int = 64) -> torch.Tensor:
+def calibration_ids(
+    tokenizer: Any, texts: Sequence[str], n_samples: int, seq_len: int, chunk: int = 64
+) -> torch.Tensor:
     """``[n_samples, seq_len]`` token ids packed from ``texts`` in order."""
     if n_samples < 1 or seq_len < 2:
         raise ValueError(f"quantize: n_samples must be >= 1 and seq_len >= 2, got {n_samples} and {seq_len}")

@@ -31,7 +31,9 @@ def _values_from_stream(words: torch.Tensor, bits: int, count: int) -> torch.Ten
     return (stream * weights).sum(-1)
 
 
-def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int) -> torch.Tensor:
+def gptq_weight(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int
+) -> torch.Tensor:
     """Float32 ``W[out, in]`` from GPTQ v1 tensors: ``(q - (stored_zero + 1)) * scale[g_idx]``."""
     n_groups, out_f = scales.shape
     in_f = g_idx.shape[0]
@@ -56,7 +58,9 @@ def _awq_unpack(words: torch.Tensor) -> torch.Tensor:
     return out.reshape(words.shape[0], words.shape[1] * 8)
 
 
-def dequantize_state_dict(tensors: dict[str, torch.Tensor], qconfig: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def dequantize_state_dict(
+    tensors: dict[str, torch.Tensor], qconfig: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Replace every ``<linear>.qweight/qzeros/scales[/g_idx]`` family by ``<linear>.weight``."""
     method = qconfig.get("quant_method")
     if method not in ("gptq", "awq"):

@@ -14,8 +14,9 @@ handling, so the per-document sums add up to its ``nll_nats`` (a test checks thi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -40,12 +41,23 @@ class DocScores:
 
     def as_dict(self) -> dict[str, float]:
         """Manifest form (the per-document arrays are not written)."""
-        return {"perplexity": self.perplexity, "bits_per_char": self.bits_per_char,
-                "tokens": int(self.tokens.sum()), "documents": int(self.nll.numel())}
+        return {
+            "perplexity": self.perplexity,
+            "bits_per_char": self.bits_per_char,
+            "tokens": int(self.tokens.sum()),
+            "documents": int(self.nll.numel()),
+        }
 
 
-def doc_scores(model: Any, tokenizer: Any, texts: Sequence[str], max_length: int, batch_size: int = 8,
-               stride: int | None = None, desc: str = "scoring") -> DocScores:
+def doc_scores(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    max_length: int,
+    batch_size: int = 8,
+    stride: int | None = None,
+    desc: str = "scoring",
+) -> DocScores:
     """Score ``texts`` (each with BOS) like ``likelihood`` does, keeping each document's sum."""
     from warsha.evaluate import row_nll, windows
 
@@ -56,10 +68,10 @@ def doc_scores(model: Any, tokenizer: Any, texts: Sequence[str], max_length: int
     jobs.sort(key=lambda j: j[1][1] - j[1][0])  # similar widths together: less padding
     nll = torch.zeros(len(ids), dtype=torch.float64)
     device = next(model.parameters()).device
-    from tqdm.auto import tqdm
+    from warsha.progress import progress
 
     with torch.inference_mode():
-        for start in tqdm(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
+        for start in progress(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
             batch = jobs[start : start + batch_size]
             rows = row_nll(model, [(ids[d], w) for d, w in batch], device)
             nll.index_add_(0, torch.tensor([d for d, _ in batch]), rows)

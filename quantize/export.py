@@ -18,17 +18,32 @@ import torch
 from quantize.pack import pack_awq, pack_gptq
 from quantize.quantizer import QuantizedLinear
 
-TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
-                   "chat_template*", "vocab.*", "merges.txt", "*.tiktoken")
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template*",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+)
 SHARD_BYTES = 4 * 1024**3
 
 
-def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, skipped: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+def quantization_config(
+    fmt: str, bits: int, group_size: int, sym: bool, skipped: list[str], extra: dict[str, Any]
+) -> dict[str, Any]:
     """The ``quantization_config`` block transformers, vLLM and gptqmodel read."""
     if fmt == "gptq":
         qc: dict[str, Any] = {
-            "quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
-            "desc_act": bool(extra.get("desc_act", False)), "checkpoint_format": "gptq", "lm_head": False,
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "sym": sym,
+            "desc_act": bool(extra.get("desc_act", False)),
+            "checkpoint_format": "gptq",
+            "lm_head": False,
         }
         qc.update({k: v for k, v in extra.items() if k != "desc_act"})
     else:
@@ -41,7 +56,9 @@ def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, skipped
     return qc
 
 
-def packed_state(model: Any, quantized: dict[str, QuantizedLinear], fmt: str, save_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def packed_state(
+    model: Any, quantized: dict[str, QuantizedLinear], fmt: str, save_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """The tensors of the output checkpoint."""
     state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -96,7 +113,9 @@ def source_dtype(src_dir: Path) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
 
-def export(model: Any, quantized: dict[str, QuantizedLinear], src_dir: Path, out_dir: Path, qconfig: dict[str, Any]) -> None:
+def export(
+    model: Any, quantized: dict[str, QuantizedLinear], src_dir: Path, out_dir: Path, qconfig: dict[str, Any]
+) -> None:
     """Write the whole output directory."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,9 @@ plus the calibration activations, whatever the model size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -59,7 +60,10 @@ def layout_problem(in_f: int, out_f: int, spec: QuantSpec, fmt: str) -> str | No
     if in_f % spec.group_size:
         return f"group_size {spec.group_size} does not divide in_features {in_f}"
     if fmt == "gptq" and ((in_f * spec.bits) % 32 or (out_f * spec.bits) % 32):
-        return f"GPTQ packing of {spec.bits}-bit values needs in/out features giving whole int32 words (in {in_f}, out {out_f})"
+        return (
+            f"GPTQ packing of {spec.bits}-bit values needs in/out features giving whole int32 words"
+            f" (in {in_f}, out {out_f})"
+        )
     if fmt == "awq" and out_f % 8:
         return f"AWQ packing needs out_features divisible by 8, got {out_f}"
     return None
@@ -92,7 +96,9 @@ class _Caught(Exception):
     pass
 
 
-def capture_layer0(model: Any, arch: ArchSpec, ids: torch.Tensor, batch_size: int, device: str, dtype: torch.dtype) -> Calibration:
+def capture_layer0(
+    model: Any, arch: ArchSpec, ids: torch.Tensor, batch_size: int, device: str, dtype: torch.dtype
+) -> Calibration:
     """Run the embeddings on every calibration batch and catch layer 0's inputs."""
     layers = decoder_layers(model, arch)
     calib = Calibration(hidden=[], kwargs=[])
@@ -134,13 +140,15 @@ def _move_non_layers(model: Any, arch: ArchSpec, device: str) -> None:
 Method = Callable[[Any, str, list[str], Calibration | None], dict[str, QuantizedLinear]]
 
 
-def quantize_layers(model: Any, arch: ArchSpec, plan: Plan, method: Method, calib: Calibration | None, device: str, desc: str) -> dict[str, QuantizedLinear]:
+def quantize_layers(
+    model: Any, arch: ArchSpec, plan: Plan, method: Method, calib: Calibration | None, device: str, desc: str
+) -> dict[str, QuantizedLinear]:
     """Apply ``method`` layer by layer; returns the quantized linears by full module name."""
-    from tqdm.auto import tqdm
+    from warsha.progress import progress
 
     out: dict[str, QuantizedLinear] = {}
     layers = decoder_layers(model, arch)
-    for i in tqdm(range(len(layers)), desc=desc, unit="layer"):
+    for i in progress(range(len(layers)), desc=desc, unit="layer"):
         layer = layers[i].to(device)
         prefix = f"{arch.layers}.{i}"
         for pname, p in layer.named_parameters():
@@ -233,11 +241,15 @@ def awq_method(arch: ArchSpec, spec: QuantSpec, opts: AWQOptions, alphas: dict[s
         captured: dict[str, list[torch.Tensor]] = {step[0]: [] for step in arch.sequential}
         attn_calls: list[tuple[tuple, dict[str, Any]]] = []
         handles = [
-            get_module(layer, key).register_forward_pre_hook(lambda _m, args, key=key: captured[key].append(args[0].detach()))
+            get_module(layer, key).register_forward_pre_hook(
+                lambda _m, args, key=key: captured[key].append(args[0].detach())
+            )
             for key in captured
         ]
         attn = get_module(layer, arch.attention)
-        handles.append(attn.register_forward_pre_hook(lambda _m, a, k: attn_calls.append((a, dict(k))), with_kwargs=True))
+        handles.append(
+            attn.register_forward_pre_hook(lambda _m, a, k: attn_calls.append((a, dict(k))), with_kwargs=True)
+        )
         try:
             _forward_all(layer, calib)
         finally:

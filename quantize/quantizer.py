@@ -53,8 +53,15 @@ class QuantizedLinear:
     def cpu(self) -> "QuantizedLinear":
         """The same codes with every tensor on the CPU (packing and export run there)."""
         move = lambda t: None if t is None else t.cpu()  # noqa: E731
-        return QuantizedLinear(move(self.codes), move(self.scales), move(self.zeros), move(self.g_idx),
-                               self.bits, self.group_size, move(self.bias))
+        return QuantizedLinear(
+            move(self.codes),
+            move(self.scales),
+            move(self.zeros),
+            move(self.g_idx),
+            self.bits,
+            self.group_size,
+            move(self.bias),
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the codes stand for."""

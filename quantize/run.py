@@ -48,7 +48,9 @@ def model_arch(model_dir: Path) -> ArchSpec:
         raise ValueError(f"quantize: {model_dir} has no config.json; expected an HF model directory")
     raw = json.loads(path.read_text())
     if raw.get("quantization_config"):
-        raise ValueError(f"quantize: {model_dir} is already quantized ({raw['quantization_config'].get('quant_method')})")
+        raise ValueError(
+            f"quantize: {model_dir} is already quantized ({raw['quantization_config'].get('quant_method')})"
+        )
     return arch_for(str(raw.get("model_type")))
 
 
@@ -76,11 +78,18 @@ def quantize_model(
     else:
         alphas: dict[str, float] = {}
         info["alphas"] = alphas
-        fn = awq_method(arch, spec, AWQOptions(params.n_grid, params.max_shrink, clip=params.clip, duo_scaling=params.duo_scaling), alphas)
+        fn = awq_method(
+            arch,
+            spec,
+            AWQOptions(params.n_grid, params.max_shrink, clip=params.clip, duo_scaling=params.duo_scaling),
+            alphas,
+        )
     return quantize_layers(model, arch, plan, fn, calib, device, method), info
 
 
-def evaluate(model: Any, tokenizer: Any, texts: dict[str, list[str]], params: Any, label: str, device: str = "cpu") -> dict[str, DocScores]:
+def evaluate(
+    model: Any, tokenizer: Any, texts: dict[str, list[str]], params: Any, label: str, device: str = "cpu"
+) -> dict[str, DocScores]:
     """Per-document likelihoods per language (on ``device``, then back to the CPU).
 
     Kept per document so that every perplexity change comes with its standard error.
@@ -89,7 +98,9 @@ def evaluate(model: Any, tokenizer: Any, texts: dict[str, list[str]], params: An
     model.to(device)
     for lang, docs in texts.items():
         log.info("quantize: scoring %s on %d %s documents", label, len(docs), lang)
-        out[lang] = doc_scores(model, tokenizer, docs, params.eval_max_length, params.eval_batch_size, desc=f"{label} {lang}")
+        out[lang] = doc_scores(
+            model, tokenizer, docs, params.eval_max_length, params.eval_batch_size, desc=f"{label} {lang}"
+        )
     model.to("cpu")
     return out
 
@@ -119,8 +130,23 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def run_awq(ctx: Any, params: Any) -> dict[str, Any]:
+    """Entry point of ``quantize.awq``."""
+    return run_stage(ctx, params, "awq")
+
+
+def run_gptq(ctx: Any, params: Any) -> dict[str, Any]:
+    """Entry point of ``quantize.gptq``."""
+    return run_stage(ctx, params, "gptq")
+
+
+def run_rtn(ctx: Any, params: Any) -> dict[str, Any]:
+    """Entry point of ``quantize.rtn``."""
+    return run_stage(ctx, params, "rtn")
+
+
 def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
-    """Entry point of the three stages."""
+    """The work of the three stages, which differ only in the method."""
     from transformers import AutoTokenizer
 
     src = Path(ctx.model_dir)
@@ -138,21 +164,34 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
         calib_ids = calibration_ids(tokenizer, texts, params.n_samples, params.seq_len)
     model = load_model(src, DTYPES[params.compute_dtype])
     check_model_finite(model)
-    plan = plan_layers(model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, params.on_bad_group)
+    plan = plan_layers(
+        model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, params.on_bad_group
+    )
     if not ctx.is_main:
         return {}
-    ctx.log.info("quantize.%s: %s, %d-bit, group %d, %s", method, src, params.bits, params.group_size, "sym" if params.sym else "asym")
+    ctx.log.info(
+        "quantize.%s: %s, %d-bit, group %d, %s",
+        method,
+        src,
+        params.bits,
+        params.group_size,
+        "sym" if params.sym else "asym",
+    )
     before = evaluate(model, tokenizer, eval_texts, params, "unquantized", device)
     start = time.perf_counter()
     quantized, info = quantize_model(model, arch, method, params, calib_ids, device, plan)
     wall = time.perf_counter() - start
     extra = _format_extra(method, params)
-    qconfig = quantization_config(params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), extra)
+    qconfig = quantization_config(
+        params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), extra
+    )
     export(model, quantized, src, ctx.out_dir, qconfig)
     del model
     from quantize.dequant import load_dequantized
 
-    after = evaluate(load_dequantized(ctx.out_dir, DTYPES[params.compute_dtype]), tokenizer, eval_texts, params, method, device)
+    after = evaluate(
+        load_dequantized(ctx.out_dir, DTYPES[params.compute_dtype]), tokenizer, eval_texts, params, method, device
+    )
     increase = _relative(after, before)
     metrics: dict[str, Any] = {
         "method": method,
@@ -184,11 +223,18 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
 
 def _format_extra(method: str, params: Any) -> dict[str, Any]:
     if method == "gptq":
-        return {"desc_act": params.desc_act, "static_groups": params.static_groups, "damp_percent": params.damp, "true_sequential": True}
+        return {
+            "desc_act": params.desc_act,
+            "static_groups": params.static_groups,
+            "damp_percent": params.damp,
+            "true_sequential": True,
+        }
     return {"desc_act": False}
 
 
-def _rtn_reference(src: Path, arch: ArchSpec, params: Any, plan: Plan, device: str, tokenizer: Any, texts: dict[str, list[str]]) -> dict[str, DocScores]:
+def _rtn_reference(
+    src: Path, arch: ArchSpec, params: Any, plan: Plan, device: str, tokenizer: Any, texts: dict[str, list[str]]
+) -> dict[str, DocScores]:
     """RTN with the same grid on a fresh copy of the input (cheap: no calibration)."""
     model = load_model(src, DTYPES[params.compute_dtype])
     quantize_model(model, arch, "rtn", params, None, device, plan)
@@ -197,10 +243,20 @@ def _rtn_reference(src: Path, arch: ArchSpec, params: Any, plan: Plan, device: s
 
 def _log_summary(ctx: Any, method: str, m: dict[str, Any]) -> None:
     for lang, rel in m["perplexity_increase_rel"].items():
-        line = (f"quantize.{method} [{lang}] perplexity {m['unquantized'][lang]['perplexity']:.3f} ->"
-                f" {m['quantized'][lang]['perplexity']:.3f} ({rel:+.2%} +- {m['perplexity_increase_se'][lang]:.2%})")
+        line = (
+            f"quantize.{method} [{lang}] perplexity {m['unquantized'][lang]['perplexity']:.3f} ->"
+            f" {m['quantized'][lang]['perplexity']:.3f} ({rel:+.2%} +- {m['perplexity_increase_se'][lang]:.2%})"
+        )
         if "rtn" in m:
-            line += (f"; RTN {m['rtn'][lang]['perplexity']:.3f} ({m['rtn_perplexity_increase_rel'][lang]:+.2%});"
-                     f" vs RTN {m['vs_rtn'][lang]['rel']:+.2%} +- {m['vs_rtn'][lang]['se']:.2%}")
+            line += (
+                f"; RTN {m['rtn'][lang]['perplexity']:.3f} ({m['rtn_perplexity_increase_rel'][lang]:+.2%});"
+                f" vs RTN {m['vs_rtn'][lang]['rel']:+.2%} +- {m['vs_rtn'][lang]['se']:.2%}"
+            )
         ctx.log.info(line)
-    ctx.log.info("quantize.%s: %.1f s, %.2f MB on disk (%.2fx smaller)", method, m["quantize_seconds"], m["size_bytes"] / 1e6, m["compression"])
+    ctx.log.info(
+        "quantize.%s: %.1f s, %.2f MB on disk (%.2fx smaller)",
+        method,
+        m["quantize_seconds"],
+        m["size_bytes"] / 1e6,
+        m["compression"],
+    )

@@ -7,10 +7,10 @@ second; torch and transformers are imported inside ``quantize.run`` when a stage
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from warsha.schema import check, ge, gt, le, multiple_of
-from warsha.stage import StageContext, StageDef
+from warsha.stage import StageDef
 
 
 @dataclass
@@ -20,7 +20,9 @@ class RTNParams:
     bits: Literal[3, 4, 8] = field(default=4, metadata=check(help="bits per weight"))
     group_size: int = field(default=128, metadata=check(ge(8), multiple_of(8), help="input columns per scale/zero"))
     sym: bool = field(default=True, metadata=check(help="symmetric grid (zero fixed at 2**(bits-1))"))
-    format: Literal["gptq", "awq"] = field(default="gptq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md"))
+    format: Literal["gptq", "awq"] = field(
+        default="gptq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md")
+    )
     on_bad_group: Literal["error", "fallback"] = field(
         default="error", metadata=check(help="a linear the group size does not divide: stop, or keep it unquantized")
     )
@@ -36,7 +38,9 @@ class RTNParams:
         """Cross-field checks."""
         problems = []
         if self.format == "awq" and self.bits != 4:
-            problems.append(f"format: the AWQ GEMM layout holds 4-bit weights only, got bits={self.bits}; use format: gptq")
+            problems.append(
+                f"format: the AWQ GEMM layout holds 4-bit weights only, got bits={self.bits}; use format: gptq"
+            )
         return problems
 
 
@@ -64,7 +68,9 @@ class GPTQParams(CalibratedParams):
         """Cross-field checks."""
         problems = super().validate()
         if self.format == "awq" and self.desc_act and not self.static_groups:
-            problems.append("format: act-order without static groups needs g_idx, which the AWQ layout lacks; use format: gptq")
+            problems.append(
+                "format: act-order without static groups needs g_idx, which the AWQ layout lacks; use format: gptq"
+            )
         return problems
 
 
@@ -73,26 +79,32 @@ class AWQParams(CalibratedParams):
     """AWQ: activation-aware scales and clipping."""
 
     sym: bool = field(default=False, metadata=check(help="symmetric grid (AWQ's zero_point: false)"))
-    format: Literal["gptq", "awq"] = field(default="awq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md"))
+    format: Literal["gptq", "awq"] = field(
+        default="awq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md")
+    )
     n_grid: int = field(default=20, metadata=check(ge(2), help="alpha values tried in [0, 1)"))
     max_shrink: float = field(default=0.5, metadata=check(gt(0.0), le(0.9), help="largest clipping shrink of the max"))
     clip: bool = field(default=True, metadata=check(help="search per-group clipping thresholds"))
-    duo_scaling: bool = field(default=False, metadata=check(
-        help="also divide by in-group weight salience (llm-compressor's default; measured worse here: en +0.24% vs +0.15%)"))
+    duo_scaling: bool = field(
+        default=False,
+        metadata=check(
+            help="also divide by in-group weight salience (llm-compressor's default; off: it scored worse here)"
+        ),
+    )
     n_samples: int = field(default=64, metadata=check(ge(1), help="calibration rows"))
 
 
-def _run(method: str) -> Any:
-    def run(ctx: StageContext, params: Any) -> dict[str, Any]:
-        from quantize.run import run_stage
-
-        return run_stage(ctx, params, method)
-
-    return run
-
-
 STAGES: dict[str, StageDef] = {
-    "awq": StageDef("quantize.awq", AWQParams, _run("awq"), "AWQ 4-bit weight quantization (CPU or GPU), layer by layer"),
-    "gptq": StageDef("quantize.gptq", GPTQParams, _run("gptq"), "GPTQ 4-bit weight quantization (CPU or GPU), layer by layer"),
-    "rtn": StageDef("quantize.rtn", RTNParams, _run("rtn"), "round-to-nearest weight quantization (the baseline)"),
+    "awq": StageDef(
+        "quantize.awq", AWQParams, "quantize.run:run_awq", "AWQ 4-bit weight quantization (CPU or GPU), layer by layer"
+    ),
+    "gptq": StageDef(
+        "quantize.gptq",
+        GPTQParams,
+        "quantize.run:run_gptq",
+        "GPTQ 4-bit weight quantization (CPU or GPU), layer by layer",
+    ),
+    "rtn": StageDef(
+        "quantize.rtn", RTNParams, "quantize.run:run_rtn", "round-to-nearest weight quantization (the baseline)"
+    ),
 }

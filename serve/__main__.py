@@ -1,5 +1,5 @@
-"""`python -m serve ARTIFACT_DIR ...`: the OpenAI-compatible HTTP server (see serve/api.py)."""
+"""`python -m serve ARTIFACT_DIR ...`: the OpenAI-compatible HTTP server (see serve/api/)."""
 
-from serve.api_cli import main
+from serve.api.cli import main
 
 raise SystemExit(main())

@@ -39,7 +39,9 @@ class GPTQConfig:
         fmt = qc.get("checkpoint_format", "gptq") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"{path}: quantization_config.checkpoint_format={fmt!r}; supported: 'gptq', 'gptq_v2'")
-        return cls(bits, int(qc.get("group_size", 128)), bool(qc.get("sym", True)), bool(qc.get("desc_act", False)), fmt)
+        return cls(
+            bits, int(qc.get("group_size", 128)), bool(qc.get("sym", True)), bool(qc.get("desc_act", False)), fmt
+        )
 
 
 @dataclass(frozen=True)

@@ -37,4 +37,3 @@ def bf16_matmul_is_fast() -> bool:
 def upcast_bf16_default(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Run bf16 matmuls in float32 here? Only bf16 on a CPU without native bf16 arithmetic."""
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not bf16_matmul_is_fast()
-

@@ -46,7 +46,9 @@ def load() -> ModuleType | None:
         log.info("%s=0: using torch's CPU kernels for small batches", ENV_SWITCH)
         return None
     if not _cpu_has_avx2():
-        log.warning("CPU lacks AVX2/FMA (torch reports %s): using torch's CPU kernels", torch.backends.cpu.get_cpu_capability())
+        log.warning(
+            "CPU lacks AVX2/FMA (torch reports %s): using torch's CPU kernels", torch.backends.cpu.get_cpu_capability()
+        )
         return None
     try:
         from torch.utils import cpp_extension
@@ -62,8 +64,11 @@ def load() -> ModuleType | None:
             verbose=False,
         )
     except Exception as err:  # noqa: BLE001 - any build failure means: fall back, loudly
-        log.warning("could not build serve's AVX2 kernels (%s: %s); using torch's CPU kernels, which are slower here",
-                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        log.warning(
+            "could not build serve's AVX2 kernels (%s: %s); using torch's CPU kernels, which are slower here",
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
         return None
 
 
@@ -77,7 +82,9 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = to
     return load().gemv_bf16(x, weight, out_dtype)
 
 
-def gemv_int4(x: torch.Tensor, packed: "Int4Packed", out_dtype: torch.dtype = torch.bfloat16, int8_activations: bool = False) -> torch.Tensor:
+def gemv_int4(
+    x: torch.Tensor, packed: "Int4Packed", out_dtype: torch.dtype = torch.bfloat16, int8_activations: bool = False
+) -> torch.Tensor:
     """x [M, K] @ dequant(packed).T; with int8_activations, x is quantized per 32 features first."""
     fn = load().gemv_int4_a8 if int8_activations else load().gemv_int4
     return fn(x, packed.q, packed.scales, packed.zeros, packed.group, out_dtype)
@@ -98,7 +105,9 @@ class Int4Packed:
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> None:
         k, n = q.shape
         if not self.fits(k, group):
-            raise ValueError(f"int4 layout needs a power-of-two group size ({group}) of at least {BLOCK} dividing in_features ({k})")
+            raise ValueError(
+                f"int4 layout needs a power-of-two group size ({group}) of at least {BLOCK} dividing in_features ({k})"
+            )
         blocks = q.T.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
         self.q = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
         self.scales = scales.float().T.contiguous()

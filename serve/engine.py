@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from serve.args import EngineArgs
 from serve.attention.backend import get_backend
 from serve.block_manager import BlockManager
 from serve.config import ModelConfig
 from serve.kv_cache import KVCache
 from serve.model import LlamaModel, resolve_dtype
-from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab
 from serve.runner import ModelRunner, Proposal, TargetOutput
 from serve.sampler import Sampler, SamplingParams
 from serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -28,6 +28,7 @@ from serve.sequence import Sequence, SequenceStatus
 from serve.spec_decode import SpecController
 from serve.stats import EngineStats
 from serve.tokenizer import Tokenizer, first_vocab_difference
+from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab
 
 Prompt = str | list[int]
 NewTokens = dict[int, list[tuple[int, dict[int, float] | None]]]  # batch row -> (token, logprobs) in order
@@ -54,53 +55,42 @@ class LLM:
         self,
         model_dir: str | Path,
         draft_dir: str | Path | None = None,
-        *,
-        dtype: str | torch.dtype = "bfloat16",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float = 1.0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_waiting: int = 4096,
-        max_tokens_in_flight: int | None = None,
-        enable_prefix_caching: bool = True,
-        num_speculative_tokens: int = 4,
-        adaptive_speculation: bool = True,
-        seed: int = 0,
-        draft_vocab_size: int | None = None,
-        attention_backend: str | None = None,
-        device: str = "cpu",
-        int4_activations: str = "int8",
+        args: EngineArgs | None = None,
+        **overrides: object,
     ) -> None:
-        """`draft_vocab_size`: None uses the draft's `draft_vocab.json` as written, N keeps its
-        N most frequent ids, 0 ignores the file (full head). `attention_backend`: None picks by
-        device (torch on CPU); "triton" forces the Triton kernels (on CPU only under
-        TRITON_INTERPRET=1, which is how the tests run the engine on them). `device="cuda"` puts
-        weights and KV cache on the GPU with the Triton kernels; sampling stays on the host.
-        The CUDA path has only been run through Triton's interpreter on CPU, never on a GPU.
-        `int4_activations` ("int8" or "float"): how int4 checkpoints multiply small batches on
-        CPU (see `serve.model.LlamaModel`)."""
-        if draft_vocab_size is not None and draft_vocab_size < 0:
-            raise ValueError(f"draft_vocab_size must be >= 0, got {draft_vocab_size}")
-        self._draft_vocab_size = draft_vocab_size
-        torch_dtype = resolve_dtype(dtype)
+        """Load the target (and draft) with `args`, or with `EngineArgs(**overrides)`: the
+        keyword form (`LLM(path, dtype="float32", block_size=8)`) is the same options spelled
+        inline. `device="cuda"` puts weights and KV cache on the GPU with the Triton kernels;
+        sampling stays on the host. The CUDA path has only run under Triton's interpreter."""
+        if args is None:
+            args = EngineArgs(**overrides)  # type: ignore[arg-type]
+        elif overrides:
+            raise ValueError(f"pass either args or keyword options, not both (got {sorted(overrides)})")
+        self.args = args
+        self._draft_vocab_size = args.draft_vocab_size
+        torch_dtype = resolve_dtype(args.dtype)
         self.config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
-        self._device = device
-        self._backend = get_backend(device, prefer=attention_backend)
-        target = LlamaModel.load(model_dir, torch_dtype, self._backend, device, int4_activations)
+        self._device = args.device
+        self._backend = get_backend(args.device, prefer=args.attention_backend)
+        target = LlamaModel.load(model_dir, torch_dtype, self._backend, args.device, args.int4_activations)
         draft = self._load_draft(draft_dir, torch_dtype) if draft_dir is not None else None
-        self.max_model_len = self._resolve_max_len(max_model_len)
-        num_blocks = self._num_blocks(num_kv_blocks, kv_cache_memory_gb, block_size, torch_dtype, draft, max_num_seqs)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len, max_waiting, max_tokens_in_flight)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        self.runner = ModelRunner(
-            target, target.new_kv_cache(num_blocks, block_size), draft, draft.new_kv_cache(num_blocks, block_size) if draft else None, seed
+        self.max_model_len = self._resolve_max_len(args.max_model_len)
+        block_size = args.block_size
+        num_blocks = self._num_blocks(args, torch_dtype, draft)
+        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_waiting=args.max_waiting,
+            max_tokens_in_flight=args.max_tokens_in_flight,
         )
-        self.spec = SpecController(num_speculative_tokens, adaptive_speculation) if draft else None
-        self.sampler = Sampler(seed)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        draft_kv = draft.new_kv_cache(num_blocks, block_size) if draft else None
+        self.runner = ModelRunner(target, target.new_kv_cache(num_blocks, block_size), draft, draft_kv, args.seed)
+        self.spec = SpecController(args.num_speculative_tokens, args.adaptive_speculation) if draft else None
+        self.sampler = Sampler(args.seed)
         self.stats = EngineStats()
         self._generators: dict[str, torch.Generator] = {}
         self._logprobs: dict[str, list[dict[int, float]]] = {}
@@ -144,12 +134,11 @@ class LLM:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
         return requested
 
-    def _num_blocks(self, num_blocks: int | None, memory_gb: float, block_size: int, dtype: torch.dtype, draft: LlamaModel | None, max_seqs: int) -> int:
+    def _num_blocks(self, args: EngineArgs, dtype: torch.dtype, draft: LlamaModel | None) -> int:
         """KV blocks from an explicit count or a memory budget (capped at what max_num_seqs can use)."""
-        if num_blocks is not None:
-            return num_blocks
-        if memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {memory_gb}")
+        if args.num_kv_blocks is not None:
+            return args.num_kv_blocks
+        memory_gb, block_size, max_seqs = args.kv_cache_memory_gb, args.block_size, args.max_num_seqs
         c = self.config
         per_block = KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
         if draft is not None:
@@ -159,7 +148,9 @@ class LLM:
         return max(1, min(int(memory_gb * 2**30) // per_block, useful))
 
     # ----------------------------------------------------------------- requests
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queue a prompt (text or token ids); returns its id. Raises AdmissionError if refused."""
         params = sampling_params or SamplingParams()
         ids = self._encode(prompt)
@@ -274,7 +265,11 @@ class LLM:
             else:
                 if i in spec_rows or batch.num_spec_tokens[i]:
                     self.block_manager.trim(seq, seq.num_tokens)
-                ready = min(seq.num_computed_tokens, seq.draft_num_computed_tokens) if self.spec else seq.num_computed_tokens
+                ready = (
+                    min(seq.num_computed_tokens, seq.draft_num_computed_tokens)
+                    if self.spec
+                    else seq.num_computed_tokens
+                )
                 self.block_manager.cache_full_blocks(seq, ready)
             if appended or seq.is_finished:
                 outputs.append(self._output(seq, appended))
@@ -315,7 +310,13 @@ class LLM:
 
     def _release(self, seq: Sequence) -> None:
         """Book a finished request's latencies and drop its per-request state."""
-        self.stats.record_request(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time or time.perf_counter(), seq.num_output_tokens)
+        self.stats.record_request(
+            seq.arrival_time,
+            seq.first_scheduled_time,
+            seq.first_token_time,
+            seq.finish_time or time.perf_counter(),
+            seq.num_output_tokens,
+        )
         stopped_by_string = isinstance(seq.stop_reason, str)  # its text was already cut at the stop string
         if not stopped_by_string and self.tokenizer is not None:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids)
@@ -334,7 +335,9 @@ class LLM:
             finished=finished,
             finish_reason=seq.status.value if finished else None,
             text=seq.output_text if finished else "",
-            logprobs=self._logprobs.pop(seq.request_id, []) if finished else list(self._logprobs.get(seq.request_id, [])),
+            logprobs=self._logprobs.pop(seq.request_id, [])
+            if finished
+            else list(self._logprobs.get(seq.request_id, [])),
         )
 
     def _record_step(self, batch: ScheduledBatch, proposal: Proposal | None, decode_only: bool, seconds: float) -> None:
@@ -364,19 +367,27 @@ class LLM:
                 self.spec.record_plain(len(batch.seqs), seconds)
 
     # ----------------------------------------------------------------- offline
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in the order of `prompts`."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         items: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(items)
+        params = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(items)
+        )
         if len(params) != len(items):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(items)} prompts; give one or one per prompt")
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(items)} prompts; give one or one per prompt"
+            )
         ids = [self.add_request(p, sp) for p, sp in zip(items, params)]
         wanted, done = set(ids), {}
         while wanted - done.keys():
             outputs = self.step()
             if not outputs and not self.scheduler.running and self.scheduler.waiting:
-                raise RuntimeError("the scheduler cannot admit the next waiting request (engine bug: admission should have refused it)")
+                raise RuntimeError(
+                    "the scheduler cannot admit the next waiting request (engine bug: admission should have refused it)"
+                )
             for out in outputs:
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out

@@ -8,9 +8,9 @@ transformers does, so bf16 logits stay close to the HF reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +70,14 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # rows whose logits are needed
 
 
-def _fused_linear(state: dict[str, torch.Tensor], names: list[str], config: ModelConfig, dtype: torch.dtype,
-                  device: torch.device = torch.device("cpu"), int4_activations: str = "int8") -> Linear:
+def _fused_linear(
+    state: dict[str, torch.Tensor],
+    names: list[str],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    int4_activations: str = "int8",
+) -> Linear:
     """One linear for projections sharing an input: concatenated dense weights or int4 parts
     (serve's AVX2 kernel and torch's int4 kernel on CPU, the Triton int4 GEMM elsewhere)."""
     biases = [state.get(f"{n}.bias") for n in names]
@@ -82,24 +88,45 @@ def _fused_linear(state: dict[str, torch.Tensor], names: list[str], config: Mode
             raise KeyError(f"checkpoint lacks {missing[0]}.weight (nor a GPTQ qweight); is it a Llama-family model?")
         return DenseLinear(torch.cat([state[f"{n}.weight"].to(dtype) for n in names]), bias)
     if config.quant is None:
-        raise ValueError(f"{names[0]}.qweight found but config.json has no quantization_config; the checkpoint is inconsistent")
+        raise ValueError(
+            f"{names[0]}.qweight found but config.json has no quantization_config; the checkpoint is inconsistent"
+        )
     q = config.quant
-    if device.type != "cpu":
+    if torch.device(device).type != "cpu":
         from serve.triton_int4 import Int4TritonLinear
 
-        return SplitLinear([
-            Int4TritonLinear(state[f"{n}.qweight"], state[f"{n}.qzeros"], state[f"{n}.scales"], state.get(f"{n}.g_idx"),
-                             q.group_size, b.to(dtype) if b is not None else None, q.checkpoint_format)
-            for n, b in zip(names, biases)
-        ])
+        return SplitLinear(
+            [
+                Int4TritonLinear(
+                    state[f"{n}.qweight"],
+                    state[f"{n}.qzeros"],
+                    state[f"{n}.scales"],
+                    state.get(f"{n}.g_idx"),
+                    q.group_size,
+                    b.to(dtype) if b is not None else None,
+                    q.checkpoint_format,
+                )
+                for n, b in zip(names, biases)
+            ]
+        )
     parts = [
-        gptq_to_int4_parts(n, state[f"{n}.qweight"], state[f"{n}.qzeros"], state[f"{n}.scales"], state.get(f"{n}.g_idx"), q.group_size, q.checkpoint_format)
+        gptq_to_int4_parts(
+            n,
+            state[f"{n}.qweight"],
+            state[f"{n}.qzeros"],
+            state[f"{n}.scales"],
+            state.get(f"{n}.g_idx"),
+            q.group_size,
+            q.checkpoint_format,
+        )
         for n in names
     ]
     a8 = int4_activations == "int8"
     if can_fuse(parts):
         return Int4Linear(parts, bias, int8_activations=a8)
-    return SplitLinear([Int4Linear([p], b.to(dtype) if b is not None else None, int8_activations=a8) for p, b in zip(parts, biases)])
+    return SplitLinear(
+        [Int4Linear([p], b.to(dtype) if b is not None else None, int8_activations=a8) for p, b in zip(parts, biases)]
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,7 +137,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     seven and without two dtype round trips per norm. On CPU, bf16 rows take serve's C++ version
     of the same formula (`cpu_kernels`): torch's fused norm still costs ~50 us per decode row.
     """
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_kernels.available():
+    if (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and cpu_kernels.available()
+    ):
         return cpu_kernels.rms_norm_bf16(x, weight, eps)
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
@@ -125,8 +157,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """Weights plus the forward; holds no per-request state (the KV cache is passed in)."""
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, backend: AttentionBackend | None = None,
-                 device: torch.device | str = "cpu", int4_activations: str = "int8") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        backend: AttentionBackend | None = None,
+        device: torch.device | str = "cpu",
+        int4_activations: str = "int8",
+    ) -> None:
         """`int4_activations` (int4 checkpoints on CPU): "int8" quantizes each decode row's
         activations per 32 features for integer dot products (2x faster on AVX2, about 1% error
         per layer, as llama.cpp's Q4 x Q8); "float" keeps them in float32."""
@@ -150,8 +189,14 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", backend: AttentionBackend | None = None,
-             device: torch.device | str = "cpu", int4_activations: str = "int8") -> "LlamaModel":
+    def load(
+        cls,
+        model_dir: str | Path,
+        dtype: str | torch.dtype = "bfloat16",
+        backend: AttentionBackend | None = None,
+        device: torch.device | str = "cpu",
+        int4_activations: str = "int8",
+    ) -> "LlamaModel":
         """Read config.json and the safetensors checkpoint of `model_dir` (weights onto `device`)."""
         config = ModelConfig.from_dir(model_dir)
         return cls(config, load_state_dict(model_dir), resolve_dtype(dtype), backend, device, int4_activations)
@@ -162,9 +207,20 @@ class LlamaModel:
         attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
         return LayerWeights(
             qkv=_fused_linear(state, attn, self.config, self.dtype, self.device, self.int4_activations),
-            o=_fused_linear(state, [f"{p}self_attn.o_proj"], self.config, self.dtype, self.device, self.int4_activations),
-            gate_up=_fused_linear(state, [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"], self.config, self.dtype, self.device, self.int4_activations),
-            down=_fused_linear(state, [f"{p}mlp.down_proj"], self.config, self.dtype, self.device, self.int4_activations),
+            o=_fused_linear(
+                state, [f"{p}self_attn.o_proj"], self.config, self.dtype, self.device, self.int4_activations
+            ),
+            gate_up=_fused_linear(
+                state,
+                [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"],
+                self.config,
+                self.dtype,
+                self.device,
+                self.int4_activations,
+            ),
+            down=_fused_linear(
+                state, [f"{p}mlp.down_proj"], self.config, self.dtype, self.device, self.int4_activations
+            ),
             input_norm=state[f"{p}input_layernorm.weight"].to(self.dtype),
             post_attention_norm=state[f"{p}post_attention_layernorm.weight"].to(self.dtype),
         )

@@ -103,7 +103,9 @@ def gptq_to_int4_parts(
     perm = torch.argsort(g, stable=True)
     g_sorted = g[perm]
     if not torch.equal(g_sorted, torch.arange(in_features) // size):
-        raise ValueError(f"{name}.g_idx does not assign exactly {size} input features to each group; the checkpoint is malformed")
+        raise ValueError(
+            f"{name}.g_idx does not assign exactly {size} input features to each group; the checkpoint is malformed"
+        )
     zeros = unpack_qzeros(qzeros, checkpoint_format).float()
     sc = scales.float()
     kg = _kernel_group(size, in_features)
@@ -142,8 +144,13 @@ class Int4Linear:
     validation run diverged on one request).
     """
 
-    def __init__(self, parts: list[Int4Parts], bias: torch.Tensor | None = None, use_kernels: bool | None = None,
-                 int8_activations: bool = True) -> None:
+    def __init__(
+        self,
+        parts: list[Int4Parts],
+        bias: torch.Tensor | None = None,
+        use_kernels: bool | None = None,
+        int8_activations: bool = True,
+    ) -> None:
         if not can_fuse(parts):
             raise ValueError("Int4Linear: parts with different act-order permutations cannot be fused")
         q = torch.cat([p.q for p in parts], dim=1)
@@ -170,7 +177,9 @@ class Int4Linear:
         if self.avx2 is not None:
             y = cpu_kernels.gemv_int4(x2, self.avx2, x.dtype, self.int8_activations)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self.packed, self.kernel_group, self.scales_and_zeros
+            ).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -213,8 +222,13 @@ class DenseLinear:
     whether the kernels built; True/False force them (tests).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool | None = None,
-                 use_kernels: bool | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        upcast: bool | None = None,
+        use_kernels: bool | None = None,
+    ) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features, self.in_features = weight.shape
@@ -253,6 +267,8 @@ class DenseLinear:
     def _upcast(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The float32 copy of the weight: oneDNN-prepacked for small batches, MKL above."""
         if self.packed32 is not None and rows <= PACKED_MAX_ROWS:
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1).float(), self.packed32, self.bias32, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.reshape(rows, -1).float(), self.packed32, self.bias32, "none", [], ""
+            )
             return y.to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
         return torch.nn.functional.linear(x.float(), self.weight32, self.bias32).to(torch.bfloat16)

@@ -119,7 +119,9 @@ def _llama3(rope: RopeConfig, dim: int) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def inv_freq_and_attention_factor(rope: RopeConfig, head_dim: int, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def inv_freq_and_attention_factor(
+    rope: RopeConfig, head_dim: int, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin multiplier for `rope`.
 
     `seq_len` matters only for dynamic NTK, which stretches the base once a sequence grows past
@@ -142,7 +144,9 @@ def inv_freq_and_attention_factor(rope: RopeConfig, head_dim: int, seq_len: int 
     raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
 
 
-def cos_sin(inv_freq: torch.Tensor, attention_factor: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    inv_freq: torch.Tensor, attention_factor: float, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [len(positions), head_dim] in float32, the attention factor folded in."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -158,7 +162,9 @@ class RotaryEmbedding:
         cos, sin = cos_sin(inv, attn, torch.arange(max_len))
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
 
-    def lookup(self, positions: torch.Tensor, seq_lens: list[tuple[int, int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, positions: torch.Tensor, seq_lens: list[tuple[int, int, int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for `positions`; `seq_lens` gives (start, count, length) per sequence chunk.
 
         For dynamic NTK each chunk uses its own sequence length, as transformers does for a

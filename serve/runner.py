@@ -39,7 +39,9 @@ class TargetOutput:
     spec_logits: list[torch.Tensor]  # per proposal row: [k_i + 1, V]
 
 
-def build_forward(seqs: list[Sequence], starts: list[int], token_lists: list[list[int]], logits_rows: list[list[int]]) -> ForwardBatch:
+def build_forward(
+    seqs: list[Sequence], starts: list[int], token_lists: list[list[int]], logits_rows: list[list[int]]
+) -> ForwardBatch:
     """Flat batch from per-sequence chunks; `logits_rows[i]` are offsets within chunk i."""
     ids: list[int] = []
     positions: list[int] = []
@@ -62,7 +64,9 @@ def build_forward(seqs: list[Sequence], starts: list[int], token_lists: list[lis
 class ModelRunner:
     """Target (and optional draft) model with their paged caches."""
 
-    def __init__(self, target: LlamaModel, target_kv: KVCache, draft: LlamaModel | None, draft_kv: KVCache | None, seed: int) -> None:
+    def __init__(
+        self, target: LlamaModel, target_kv: KVCache, draft: LlamaModel | None, draft_kv: KVCache | None, seed: int
+    ) -> None:
         self.target, self.target_kv = target, target_kv
         self.draft, self.draft_kv = draft, draft_kv
         self.generator = torch.Generator().manual_seed(seed + 1)
@@ -82,7 +86,9 @@ class ModelRunner:
         if self.draft is None or self.draft_kv is None:
             return None
         spec_rows = [i for i, k in enumerate(batch.num_spec_tokens) if k > 0]
-        self.last_draft_catch_up = max((batch.seqs[i].num_tokens - batch.seqs[i].draft_num_computed_tokens for i in spec_rows), default=0)
+        self.last_draft_catch_up = max(
+            (batch.seqs[i].num_tokens - batch.seqs[i].draft_num_computed_tokens for i in spec_rows), default=0
+        )
         seqs, starts, toks, logit_rows = [], [], [], []
         for i, seq in enumerate(batch.seqs):
             if i not in spec_rows and seq.is_decoding:
@@ -117,12 +123,16 @@ class ModelRunner:
         full = torch.full((logits.shape[0], self.target.lm_head.shape[0]), float("-inf"), dtype=logits.dtype)
         return full.index_copy_(1, ids, logits)
 
-    def _draft_sample(self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft token and its processed distribution q for each row."""
         probs = process_logits(self._full_vocab(logits), *param_tensors(params))
         return draw(probs, exponential_noise(tuple(probs.shape), gens, self.generator)), probs
 
-    def _propose_rest(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor, generators: dict[str, torch.Generator]) -> Proposal:
+    def _propose_rest(
+        self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor, generators: dict[str, torch.Generator]
+    ) -> Proposal:
         """Sample d_1 from the first draft forward, then one forward per further draft token."""
         seqs = [batch.seqs[i] for i in rows]
         counts = torch.tensor([batch.num_spec_tokens[i] for i in rows])
@@ -148,7 +158,9 @@ class ModelRunner:
             tokens[live, j], probs[live, j] = t, p
         return Proposal(rows=rows, tokens=tokens, probs=probs, counts=counts)
 
-    def _propose_greedy(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, counts: torch.Tensor) -> Proposal:
+    def _propose_greedy(
+        self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, counts: torch.Tensor
+    ) -> Proposal:
         """Argmax drafts without distributions: for greedy rows q is one-hot, so verification
         needs only the tokens, and the [S, k, V] probabilities and noise are never built."""
         kmax = int(counts.max())
@@ -156,8 +168,12 @@ class ModelRunner:
         tokens[:, 0] = self._draft_ids(logits.argmax(-1))
         for j in range(1, kmax):
             live = [r for r in range(len(rows)) if counts[r] > j]
-            fb = build_forward([seqs[r] for r in live], [seqs[r].num_tokens + j - 1 for r in live],
-                               [[int(tokens[r, j - 1])] for r in live], [[0] for _ in live])
+            fb = build_forward(
+                [seqs[r] for r in live],
+                [seqs[r].num_tokens + j - 1 for r in live],
+                [[int(tokens[r, j - 1])] for r in live],
+                [[0] for _ in live],
+            )
             tokens[live, j] = self._draft_ids(self.draft.forward(fb, self.draft_kv).argmax(-1))
             self.num_draft_forwards += 1
         return Proposal(rows=rows, tokens=tokens, probs=None, counts=counts)
@@ -187,7 +203,11 @@ class ModelRunner:
 
     @staticmethod
     def _split_logits(
-        batch: ScheduledBatch, logits: torch.Tensor, logit_rows: list[list[int]], sample_rows: list[int], spec_of: dict[int, int]
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        logit_rows: list[list[int]],
+        sample_rows: list[int],
+        spec_of: dict[int, int],
     ) -> TargetOutput:
         """Separate rows to sample plainly from per-speculator verification blocks."""
         sample_idx: list[int] = []
@@ -204,7 +224,13 @@ class ModelRunner:
             return TargetOutput(sample_rows, logits, spec_blocks)  # common decode step: no copy
         return TargetOutput(sample_rows, logits[sample_idx], spec_blocks)
 
-    def verify(self, proposal: Proposal, spec_logits: list[torch.Tensor], seqs: list[Sequence], generators: dict[str, torch.Generator]) -> RejectionResult:
+    def verify(
+        self,
+        proposal: Proposal,
+        spec_logits: list[torch.Tensor],
+        seqs: list[Sequence],
+        generators: dict[str, torch.Generator],
+    ) -> RejectionResult:
         """Rejection-sample every speculator's drafts against the target's distributions."""
         if proposal.probs is None:
             return greedy_verify(proposal.tokens, [block.argmax(-1) for block in spec_logits], proposal.counts)

@@ -72,7 +72,9 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]
+) -> torch.Tensor:
     """Repetition (HF/CTRL rule over prompt + output) and OpenAI frequency/presence penalties."""
     for row, p in enumerate(params):
         if not p.has_penalties:
@@ -88,7 +90,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts:
     return logits
 
 
-def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Temperature, then top-k, then top-p, batched; returns probabilities [B, V].
 
     Rows with temperature 0 become one-hot on the argmax, so greedy and sampled requests share
@@ -114,7 +118,9 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs
 
 
-def exponential_noise(shape: tuple[int, ...], generators: list[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
+def exponential_noise(
+    shape: tuple[int, ...], generators: list[torch.Generator | None], default: torch.Generator
+) -> torch.Tensor:
     """Exp(1) noise [B, ...]; rows with their own generator (seeded requests) draw from it."""
     noise = torch.empty(shape).exponential_(generator=default)
     for row, gen in enumerate(generators):
@@ -123,7 +129,9 @@ def exponential_noise(shape: tuple[int, ...], generators: list[torch.Generator |
     return noise
 
 
-def uniform_noise(shape: tuple[int, ...], generators: list[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
+def uniform_noise(
+    shape: tuple[int, ...], generators: list[torch.Generator | None], default: torch.Generator
+) -> torch.Tensor:
     """U[0, 1) noise [B, ...] with per-row generators like `exponential_noise`."""
     noise = torch.rand(shape, generator=default)
     for row, gen in enumerate(generators):
@@ -146,7 +154,9 @@ def param_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Ten
     )
 
 
-def top_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[dict[int, float] | None]:
+def top_logprobs(
+    logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]
+) -> list[dict[int, float] | None]:
     """For rows that asked: the sampled token's logprob and the top-n, from the raw logits."""
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     result: list[dict[int, float] | None] = [None] * len(params)

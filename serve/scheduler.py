@@ -100,7 +100,9 @@ class Scheduler:
             )
         if len(self.waiting) >= cfg.max_waiting:
             raise AdmissionError(
-                f"queue full: {len(self.waiting)} requests wait (max_waiting={cfg.max_waiting}); retry later", retryable=True)
+                f"queue full: {len(self.waiting)} requests wait (max_waiting={cfg.max_waiting}); retry later",
+                retryable=True,
+            )
         limit = cfg.max_tokens_in_flight
         if limit is not None and seq.max_total_tokens > limit:
             raise AdmissionError(
@@ -110,7 +112,8 @@ class Scheduler:
         if limit is not None and self._tokens_in_flight + seq.max_total_tokens > limit:
             raise AdmissionError(
                 f"request {seq.request_id}: {self._tokens_in_flight} tokens already in flight, adding "
-                f"{seq.max_total_tokens} exceeds max_tokens_in_flight={limit}; retry later", retryable=True
+                f"{seq.max_total_tokens} exceeds max_tokens_in_flight={limit}; retry later",
+                retryable=True,
             )
         seq.status = SequenceStatus.WAITING
         self._tokens_in_flight += seq.max_total_tokens

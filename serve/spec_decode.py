@@ -66,7 +66,9 @@ def rejection_sample(
     return RejectionResult(tokens=out, num_accepted=num_accepted)
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_argmax: list[torch.Tensor], num_draft: torch.Tensor) -> RejectionResult:
+def greedy_verify(
+    draft_tokens: torch.Tensor, target_argmax: list[torch.Tensor], num_draft: torch.Tensor
+) -> RejectionResult:
     """`rejection_sample` for rows where both p and q are one-hot (temperature 0), without them.
 
     Accept drafts while they equal the target's argmax; then emit the target's argmax at the

@@ -1,4 +1,4 @@
-"""Engine statistics, defined as in DESIGN.md section 6 (vLLM's benchmark definitions)."""
+"""Engine statistics, defined in docs/metrics.md (vLLM's benchmark definitions)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ class EngineStats:
     e2e_latency: list[float] = field(default_factory=list)
     requests: list[tuple[float, float | None]] = field(default_factory=list)  # (ttft, tpot) per request
 
-    def record_request(self, arrival: float, scheduled: float | None, first_token: float | None, finished: float, num_output: int) -> None:
+    def record_request(
+        self, arrival: float, scheduled: float | None, first_token: float | None, finished: float, num_output: int
+    ) -> None:
         """Book one finished request's latencies (seconds, from arrival)."""
         self.num_finished += 1
         if scheduled is not None:

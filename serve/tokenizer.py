@@ -38,7 +38,10 @@ class Tokenizer:
         root = Path(model_dir)
         path = root / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found; serve needs a fast tokenizer file (save the tokenizer with transformers or tokenizers)")
+            raise FileNotFoundError(
+                f"{path} not found; serve needs a fast tokenizer file (save the tokenizer with transformers or "
+                "tokenizers)"
+            )
         self._tok = HFTokenizer.from_file(str(path))
         cfg = _read_json(root / "tokenizer_config.json")
         gen = _read_json(root / "generation_config.json")

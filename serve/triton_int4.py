@@ -31,11 +31,27 @@ ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
 
 @triton.jit
 def _int4_gemm_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_wk, stride_zg, stride_sg, stride_om,
-    ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    g_idx_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wk,
+    stride_zg,
+    stride_sg,
+    stride_om,
+    ZERO_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y: dequantize BLOCK_K rows of W per step, fp32 accumulate."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -47,8 +63,9 @@ def _int4_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        x = tl.load(x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        ).to(tl.float32)
         kn_ok = k_ok[:, None] & n_ok[None, :]
         words = tl.load(qweight_ptr + (rk // 8).to(tl.int64)[:, None] * stride_wk + rn[None, :], mask=kn_ok, other=0)
         q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
@@ -64,7 +81,9 @@ def _int4_gemm_kernel(
     tl.store(out_ptr + dst, round_to(acc, out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def check_gptq_tensors(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> tuple[int, int]:
+def check_gptq_tensors(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor
+) -> tuple[int, int]:
     """Shapes and dtypes of a 4-bit GPTQ linear agree with each other; returns (K, N)."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError(f"qweight/qzeros must be int32 (GPTQ packing), got {qweight.dtype}/{qzeros.dtype}")
@@ -76,7 +95,9 @@ def check_gptq_tensors(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torc
             f"expected scales [G, {n}] and qzeros [G, {n // 8}] with N a multiple of 8"
         )
     if g_idx.shape != (k,) or g_idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"g_idx must be int32 [{k}] (the group of every input row), got {g_idx.dtype} {tuple(g_idx.shape)}")
+        raise ValueError(
+            f"g_idx must be int32 [{k}] (the group of every input row), got {g_idx.dtype} {tuple(g_idx.shape)}"
+        )
     return k, n
 
 
@@ -110,10 +131,27 @@ def int4_matmul(
     block_m = 16 if m <= 16 else 32
     block_n, block_k = 64, 32
     _int4_gemm_kernel[(-(-m // block_m), -(-n // block_n))](
-        x2, qweight, qzeros, scales, g_idx, bias if bias is not None else scales, out,
-        m, n, k, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        ZERO_OFFSET=ZERO_OFFSET[checkpoint_format], HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=common.dot_precision(x.dtype),
+        x2,
+        qweight,
+        qzeros,
+        scales,
+        g_idx,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        qweight.stride(0),
+        qzeros.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        ZERO_OFFSET=ZERO_OFFSET[checkpoint_format],
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=common.dot_precision(x.dtype),
     )
     return out.reshape(*lead, n)
 
@@ -143,12 +181,16 @@ class Int4TritonLinear:
         checkpoint_format: str = "gptq",
     ) -> None:
         if checkpoint_format not in ZERO_OFFSET:
-            raise ValueError(f"checkpoint_format={checkpoint_format!r} is not supported; use one of {tuple(ZERO_OFFSET)}")
+            raise ValueError(
+                f"checkpoint_format={checkpoint_format!r} is not supported; use one of {tuple(ZERO_OFFSET)}"
+            )
         k = qweight.shape[0] * 8
         if g_idx is None:
             size = k if group_size <= 0 else group_size
             if k % size:
-                raise ValueError(f"group_size {group_size} does not divide in_features {k}; pass the checkpoint's g_idx")
+                raise ValueError(
+                    f"group_size {group_size} does not divide in_features {k}; pass the checkpoint's g_idx"
+                )
             g_idx = default_g_idx(k, size).to(qweight.device)
         self.g_idx = g_idx.to(torch.int32)
         self.in_features, self.out_features = check_gptq_tensors(qweight, qzeros, scales, self.g_idx)

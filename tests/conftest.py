@@ -8,8 +8,14 @@ from typing import Any
 
 import pytest
 
-for _key, _value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
-                     ("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("TOKENIZERS_PARALLELISM", "false")):
+for _key, _value in (
+    ("HF_HUB_OFFLINE", "1"),
+    ("HF_DATASETS_OFFLINE", "1"),
+    ("TRANSFORMERS_OFFLINE", "1"),
+    ("WANDB_MODE", "offline"),
+    ("WANDB_SILENT", "true"),
+    ("TOKENIZERS_PARALLELISM", "false"),
+):
     os.environ.setdefault(_key, _value)
 
 # serve's Triton kernels are tested on CPU through Triton's interpreter. Triton reads
@@ -27,10 +33,23 @@ REPO = Path(__file__).resolve().parents[1]
 def tiny_recipe(name: str = "tiny", steps: int = 4, **bootstrap: Any) -> dict[str, Any]:
     """A recipe whose bootstrap stage trains a 1-layer, 32-wide model for a few steps."""
     params = {
-        "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-        "max_position_embeddings": 64, "max_train_tokens": 20000, "eval_documents": 4,
-        "train": {"steps": steps, "batch_size": 2, "seq_len": 32, "lr": 0.01, "warmup_steps": 1,
-                  "checkpoint_every": 2, "bf16": False},
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_layers": 1,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "max_position_embeddings": 64,
+        "max_train_tokens": 20000,
+        "eval_documents": 4,
+        "train": {
+            "steps": steps,
+            "batch_size": 2,
+            "seq_len": 32,
+            "lr": 0.01,
+            "warmup_steps": 1,
+            "checkpoint_every": 2,
+            "bf16": False,
+        },
     }
     params.update(bootstrap)
     return {

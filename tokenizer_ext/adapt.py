@@ -16,9 +16,8 @@ from tokenizer_ext import embed, quality
 from warsha.precision import compute_dtype
 
 if TYPE_CHECKING:
-    from warsha.stage import StageContext
-
     from tokenizer_ext.stages import AdaptParams
+    from warsha.stage import StageContext
 
 
 def run(ctx: "StageContext", p: "AdaptParams") -> dict[str, Any]:
@@ -79,8 +78,9 @@ def training_texts(corpus: Any, p: "AdaptParams", seed: int) -> list[str]:
     return texts
 
 
-def adapt_one(ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Path, new_ids: list[int],
-              name: str, out: Path | None) -> dict[str, Any]:
+def adapt_one(
+    ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Path, new_ids: list[int], name: str, out: Path | None
+) -> dict[str, Any]:
     """Train one model with the shared budget; evaluate and (if ``out``) save it on rank 0."""
     from transformers import AutoTokenizer
 
@@ -99,8 +99,13 @@ def adapt_one(ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Pat
 
     model, result, extra = _train(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn)
     step = max(1, len(result.losses) // 50)
-    metrics: dict[str, Any] = {**result.summary(), **extra, "stream_tokens": int(len(stream)),
-                               "loss_curve": result.losses[::step], "bits_per_char_curve": result.evals}
+    metrics: dict[str, Any] = {
+        **result.summary(),
+        **extra,
+        "stream_tokens": int(len(stream)),
+        "loss_curve": result.losses[::step],
+        "bits_per_char_curve": result.evals,
+    }
     if model is None:
         return metrics
     metrics["bits_per_char"] = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length)
@@ -112,8 +117,16 @@ def adapt_one(ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Pat
     return metrics
 
 
-def _train(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[int], name: str,
-           batch_fn: Any, out: Path | None, eval_fn: Any) -> tuple[Any, Any, dict[str, Any]]:
+def _train(
+    ctx: "StageContext",
+    p: "AdaptParams",
+    weights: Path,
+    new_ids: list[int],
+    name: str,
+    batch_fn: Any,
+    out: Path | None,
+    eval_fn: Any,
+) -> tuple[Any, Any, dict[str, Any]]:
     """Dispatch on the mode; returns (plain model on rank 0 or None, TrainResult, info).
 
     ``eval_fn`` gives the held-out curve when ``train.eval_every`` is set (not under DeepSpeed,
@@ -138,8 +151,9 @@ def _train(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[i
         return _from_state(weights, state), result, info
     from warsha.training import Trainer
 
-    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", parameters=trainable,
-                      eval_fn=eval_fn)
+    trainer = Trainer(
+        model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", parameters=trainable, eval_fn=eval_fn
+    )
     result = trainer.run()
     return (trainer.model.float() if ctx.is_main else None), result, info
 
@@ -158,17 +172,33 @@ def _from_state(weights: Path, state: dict[str, Any]) -> Any:
     return model
 
 
-def _train_qlora(ctx: "StageContext", p: "AdaptParams", weights: Path, new_ids: list[int], name: str,
-                 batch_fn: Any, out: Path | None, eval_fn: Any) -> tuple[Any, Any, dict[str, Any]]:
+def _train_qlora(
+    ctx: "StageContext",
+    p: "AdaptParams",
+    weights: Path,
+    new_ids: list[int],
+    name: str,
+    batch_fn: Any,
+    out: Path | None,
+    eval_fn: Any,
+) -> tuple[Any, Any, dict[str, Any]]:
     from transformers import AutoConfig
 
+    from tokenizer_ext import qlora
     from warsha.training import Trainer
 
-    from tokenizer_ext import qlora
-
     tied = bool(getattr(AutoConfig.from_pretrained(weights), "tie_word_embeddings", False))
-    model = qlora.load(weights, new_ids, tied, p.lora_r, p.lora_alpha, p.lora_dropout, p.double_quant,
-                       p.full_embeddings, bf16=p.train.bf16)
+    model = qlora.load(
+        weights,
+        new_ids,
+        tied,
+        p.lora_r,
+        p.lora_alpha,
+        p.lora_dropout,
+        p.double_quant,
+        p.full_embeddings,
+        bf16=p.train.bf16,
+    )
     trainable, total = qlora.trainable_count(model)
     trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", eval_fn=eval_fn)
     result = trainer.run()
@@ -199,11 +229,13 @@ def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir:
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    out: dict[str, Any] = {"bits_per_char": quality.bits_per_char(model, tok, ctx.corpus(), p.eval_docs,
-                                                                   p.eval_max_length)}
+    out: dict[str, Any] = {
+        "bits_per_char": quality.bits_per_char(model, tok, ctx.corpus(), p.eval_docs, p.eval_max_length)
+    }
     if p.gen_tokens:
-        out["generation"] = quality.generation_speed(model.to(compute_dtype(None, "auto")), tok, quality.prompts(ctx.corpus()),
-                                                     p.gen_tokens)
+        out["generation"] = quality.generation_speed(
+            model.to(compute_dtype(None, "auto")), tok, quality.prompts(ctx.corpus()), p.gen_tokens
+        )
     return out
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 SUPPORTED = (
     "SentencePiece BPE (tokenizer.model), byte-level BPE (tokenizer.json with a ByteLevel"

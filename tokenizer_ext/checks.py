@@ -6,7 +6,8 @@ how far off a bad tokenizer is, not just that it is bad.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from warsha.evaluate import fertility, hf_encoder
 

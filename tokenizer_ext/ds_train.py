@@ -2,7 +2,7 @@
 
 Why the DeepSpeed engine directly instead of accelerate's DeepSpeed plugin: on CPU the plugin
 runs one process (and DeepSpeed's batch check then fails), while the engine trains correctly
-when launched by ``torchrun`` or ``deepspeed --num_accelerators 2`` (STACK.md); on GPUs the
+when launched by ``torchrun`` or ``deepspeed --num_accelerators 2`` (docs/stack.md); on GPUs the
 same engine is what the plugin would build. Everything else mirrors ``warsha.training``: the
 same cosine schedule (``lr_multiplier``), batches that are a pure function of (seed, step,
 micro-step, rank) so a resumed run sees the same data, tracker logging and a tokens/s bar.
@@ -14,8 +14,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from warsha.precision import use_bf16
 from warsha.training import TrainParams, TrainResult, lr_multiplier
@@ -75,12 +76,19 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
-def train(model: Any, p: TrainParams, ctx: "StageContext", batch_fn: Callable[[int, int, int], dict[str, Any]],
-          cfg: dict[str, Any], name: str) -> tuple[TrainResult, dict[str, Any] | None]:
+def train(
+    model: Any,
+    p: TrainParams,
+    ctx: "StageContext",
+    batch_fn: Callable[[int, int, int], dict[str, Any]],
+    cfg: dict[str, Any],
+    name: str,
+) -> tuple[TrainResult, dict[str, Any] | None]:
     """Train under ZeRO; return the result and, on rank 0, the full (consolidated) state dict."""
     import deepspeed
     import torch.distributed as dist
-    from tqdm.auto import tqdm
+
+    from warsha.progress import progress
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,7 +98,7 @@ def train(model: Any, p: TrainParams, ctx: "StageContext", batch_fn: Callable[[i
     start = _resume(engine, ckpt)
     losses: list[float] = []
     tokens, t0 = 0, time.perf_counter()
-    bar = tqdm(range(start, p.steps), initial=start, total=p.steps, desc=name, disable=rank != 0, unit="step")
+    bar = progress(range(start, p.steps), initial=start, total=p.steps, desc=name, disable=rank != 0, unit="step")
     for step in bar:
         for group in engine.optimizer.param_groups:
             group["lr"] = p.lr * lr_multiplier(step, p)

@@ -15,17 +15,17 @@ import contextlib
 import json
 import math
 import shutil
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tokenizer_ext import byte_bpe, family, sp_bpe
 
 if TYPE_CHECKING:
     import torch
 
-    from warsha.stage import StageContext
-
     from tokenizer_ext.stages import EmbedParams
+    from warsha.stage import StageContext
 
 SIDECAR = "tokenizer_ext.json"
 
@@ -34,9 +34,7 @@ def read_sidecar(model_dir: Path, stage: str) -> dict[str, Any]:
     """What ``extend`` recorded; a clear error when the input did not come from it."""
     path = Path(model_dir) / SIDECAR
     if not path.is_file():
-        raise ValueError(
-            f"{stage}: {model_dir} has no {SIDECAR}; run tokenizer_ext.extend before this stage"
-        )
+        raise ValueError(f"{stage}: {model_dir} has no {SIDECAR}; run tokenizer_ext.extend before this stage")
     return json.loads(path.read_text())
 
 
@@ -130,8 +128,12 @@ def run(ctx: "StageContext", p: "EmbedParams") -> dict[str, Any]:
     model.config.vocab_size = target
     info = initialise(model, base_n, sources, p.init, ctx.seed)
     metrics: dict[str, Any] = {
-        "init": p.init, "base_rows": rows_before, "tokenizer_size": len(ext_tok), "rows": target,
-        "padding_rows": target - len(ext_tok), "tied": info["tied"],
+        "init": p.init,
+        "base_rows": rows_before,
+        "tokenizer_size": len(ext_tok),
+        "rows": target,
+        "padding_rows": target - len(ext_tok),
+        "tied": info["tied"],
         "mean_pieces_per_new_row": sum(map(len, sources)) / max(len(sources), 1),
     }
     if p.eval_docs:

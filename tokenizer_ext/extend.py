@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizer_ext import byte_bpe, checks, family, sp_bpe
 from warsha.data import has_script
 
-from tokenizer_ext import byte_bpe, checks, family, sp_bpe
-
 if TYPE_CHECKING:
-    from warsha.stage import StageContext
-
     from tokenizer_ext.stages import ExtendParams
+    from warsha.stage import StageContext
 
 
 def run(ctx: "StageContext", p: "ExtendParams") -> dict[str, Any]:
@@ -49,8 +47,12 @@ def run(ctx: "StageContext", p: "ExtendParams") -> dict[str, Any]:
     if ctx.is_main:
         family.copy_model_files(ctx.model_dir, ctx.out_dir)
         family.save_base_tokenizer(ctx.model_dir, ctx.out_dir / "base_tokenizer")
-        side = {"family": base.family, "base_vocab_size": base.size, "added": info["added_pieces"],
-                "base_model": str(ctx.model_dir)}
+        side = {
+            "family": base.family,
+            "base_vocab_size": base.size,
+            "added": info["added_pieces"],
+            "base_model": str(ctx.model_dir),
+        }
         (ctx.out_dir / "tokenizer_ext.json").write_text(json.dumps(side, indent=2))
     metrics = {"family": base.family, "base_vocab_size": base.size, **info}
     metrics.update(measure(ctx, p, base, ctx.out_dir if ctx.is_main else None))
@@ -81,14 +83,14 @@ def sample_texts(texts: list[str], max_chars: int, seed: int) -> list[str]:
     return out
 
 
-def _extend_sp(ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str],
-               n_added: int, script: Any) -> dict[str, Any]:
+def _extend_sp(
+    ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str], n_added: int, script: Any
+) -> dict[str, Any]:
     """Train, merge and prune; pruning looks at training text only, so the held-out split
     that the checks report on never influenced which pieces were kept."""
-    from warsha.sp_convert import sp_model_to_hf
+    from warsha.sentencepiece_hf import sp_model_to_hf
 
-    new = sp_bpe.train_bpe(sample, p.train_vocab_size or n_added, base.proto, p.character_coverage,
-                           seed=ctx.seed)
+    new = sp_bpe.train_bpe(sample, p.train_vocab_size or n_added, base.proto, p.character_coverage, seed=ctx.seed)
     merged = sp_bpe.merge_pieces(base.proto, new, n_added, script)
     added, dead_before = merged.added, 0
     if p.prune_unreachable:
@@ -101,14 +103,18 @@ def _extend_sp(ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenize
         "added_pieces": len(added),
         "vocab_size": len(merged.proto.pieces),
         "rescored_base_pieces": merged.rescored_base,
-        "skipped": {"in_base": merged.skipped_in_base, "not_target_script": merged.skipped_script,
-                    "no_merge_path": merged.skipped_no_path},
+        "skipped": {
+            "in_base": merged.skipped_in_base,
+            "not_target_script": merged.skipped_script,
+            "no_merge_path": merged.skipped_no_path,
+        },
         "pruned_unreachable": dead_before,
     }
 
 
-def _extend_byte(ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str],
-                 n_added: int, script: Any) -> dict[str, Any]:
+def _extend_byte(
+    ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str], n_added: int, script: Any
+) -> dict[str, Any]:
     assert base.spec is not None
     merges = byte_bpe.train_merges(base.spec, sample, p.train_vocab_size or n_added)
     result = byte_bpe.extend(base.spec, merges, n_added, script)
@@ -125,8 +131,11 @@ def _extend_byte(ctx: "StageContext", p: "ExtendParams", base: family.BaseTokeni
     return {
         "added_pieces": len(result.added),
         "vocab_size": base.size + len(result.added),
-        "skipped": {"in_base": result.skipped_in_base, "not_target_script": result.skipped_script,
-                    "no_merge_path": result.skipped_no_path},
+        "skipped": {
+            "in_base": result.skipped_in_base,
+            "not_target_script": result.skipped_script,
+            "no_merge_path": result.skipped_no_path,
+        },
         "pruned_unreachable": 0,
     }
 
@@ -149,8 +158,10 @@ def measure(ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, 
         "round_trip": {lang: checks.round_trip(ext, tgt), src_lang: checks.round_trip(ext, src)},
         "unreachable_added": _unreached(base, ext, out_dir, tgt),
         f"{src_lang}_unchanged": checks.same_ids(_ids(base_tok, src), _ids(ext, src), src),
-        "fertility": {lang: checks.fertility_report(base_tok, ext, tgt),
-                      src_lang: checks.fertility_report(base_tok, ext, src)},
+        "fertility": {
+            lang: checks.fertility_report(base_tok, ext, tgt),
+            src_lang: checks.fertility_report(base_tok, ext, src),
+        },
         "pair_token_ratio": checks.pair_ratio(base_tok, ext, _cap(corpus.pairs_in("validation"), p.check_docs)),
     }
     if base.family == "sentencepiece":

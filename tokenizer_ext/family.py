@@ -55,9 +55,7 @@ def load_base(path: Path) -> BaseTokenizer:
             return _sentencepiece(path / "tokenizer.model")
         if (path / "tokenizer.json").is_file():
             return _hf_json(path / "tokenizer.json")
-        raise ValueError(
-            f"{path}: no tokenizer.model or tokenizer.json; supported families: {byte_bpe.SUPPORTED}"
-        )
+        raise ValueError(f"{path}: no tokenizer.model or tokenizer.json; supported families: {byte_bpe.SUPPORTED}")
     if path.suffix == ".json" and byte_bpe.is_tiktoken_json(path):
         return BaseTokenizer("byte_level", path, spec=byte_bpe.tiktoken_to_hf(path))
     if path.suffix == ".json":

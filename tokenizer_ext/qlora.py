@@ -32,10 +32,18 @@ def check_shapes(model_dir: Path) -> None:
         )
 
 
-def load(model_dir: Path, new_ids: list[int], tied: bool, r: int, alpha: int, dropout: float,
-         double_quant: bool, full_embeddings: bool, bf16: bool | None = None) -> Any:
+def load(
+    model_dir: Path,
+    new_ids: list[int],
+    tied: bool,
+    r: int,
+    alpha: int,
+    dropout: float,
+    double_quant: bool,
+    full_embeddings: bool,
+    bf16: bool | None = None,
+) -> Any:
     """The 4-bit base wrapped in a LoRA model with the new rows (or matrices) trainable."""
-    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -57,8 +65,9 @@ def load(model_dir: Path, new_ids: list[int], tied: bool, r: int, alpha: int, dr
         extra["modules_to_save"] = heads
     elif new_ids:
         extra["trainable_token_indices"] = {name: list(new_ids) for name in heads}
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear",
-                     task_type="CAUSAL_LM", **extra)
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM", **extra
+    )
     peft_model = get_peft_model(model, cfg)
     for q in peft_model.parameters():  # trainable weights in fp32; autocast (if bf16) does the math
         if q.requires_grad:

@@ -14,8 +14,9 @@ from warsha.evaluate import likelihood
 SPLIT = "validation"
 
 
-def bits_per_char(model: Any, tok: Any, corpus: Any, docs: int, max_length: int,
-                  set_eval: bool = True) -> dict[str, float]:
+def bits_per_char(
+    model: Any, tok: Any, corpus: Any, docs: int, max_length: int, set_eval: bool = True
+) -> dict[str, float]:
     """Bits per character on the first ``docs`` held-out documents of each language.
 
     ``set_eval=False`` leaves module modes to the caller (the Trainer sets them mid-run).
@@ -42,20 +43,29 @@ def generation_speed(model: Any, tok: Any, prompts: list[str], new_tokens: int) 
     chars, seconds, tokens = 0, 0.0, 0
     if prompts:  # warm-up: the first call pays one-off allocation and dispatch costs
         with torch.inference_mode():
-            model.generate(**tok(prompts[0], return_tensors="pt"), max_new_tokens=2, do_sample=False,
-                           pad_token_id=tok.eos_token_id)
+            model.generate(
+                **tok(prompts[0], return_tensors="pt"), max_new_tokens=2, do_sample=False, pad_token_id=tok.eos_token_id
+            )
     for prompt in prompts:
         enc = tok(prompt, return_tensors="pt")
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=tok.eos_token_id)
+            out = model.generate(
+                **enc,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
         seconds += time.perf_counter() - t0
-        new = out[0, enc["input_ids"].shape[1]:]
+        new = out[0, enc["input_ids"].shape[1] :]
         tokens += int(new.numel())
         chars += len(tok.decode(new, skip_special_tokens=True))
-    return {"chars_per_s": chars / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
-            "chars_per_token": chars / max(tokens, 1)}
+    return {
+        "chars_per_s": chars / max(seconds, 1e-9),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "chars_per_token": chars / max(tokens, 1),
+    }
 
 
 def prompts(corpus: Any, n: int = 4, words: int = 8) -> list[str]:

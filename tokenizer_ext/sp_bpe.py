@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE_TYPE = 2
@@ -150,9 +151,7 @@ def target_scores(base: Any, new: Any, script: re.Pattern[str] | None) -> dict[s
     top = max(top, 0.0)
     normal = [p.piece for p in new.pieces if p.type == NORMAL and len(p.piece) > 1]
     return {
-        piece: float(top + len(normal) - i)
-        for i, piece in enumerate(normal)
-        if script is None or script.search(piece)
+        piece: float(top + len(normal) - i) for i, piece in enumerate(normal) if script is None or script.search(piece)
     }
 
 

@@ -7,10 +7,10 @@ heavy work lives in sibling modules imported inside each ``run``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from warsha.schema import check, ge, gt, le
-from warsha.stage import StageDef, StageContext
+from warsha.stage import StageDef
 from warsha.training import TrainParams
 
 
@@ -92,41 +92,23 @@ class AdaptParams:
         return problems
 
 
-def _extend(ctx: StageContext, params: Any) -> dict[str, Any]:
-    from tokenizer_ext import extend
-
-    return extend.run(ctx, params)
-
-
-def _embed(ctx: StageContext, params: Any) -> dict[str, Any]:
-    from tokenizer_ext import embed
-
-    return embed.run(ctx, params)
-
-
-def _adapt(ctx: StageContext, params: Any) -> dict[str, Any]:
-    from tokenizer_ext import adapt
-
-    return adapt.run(ctx, params)
-
-
 STAGES: dict[str, StageDef] = {
     "extend": StageDef(
         name="tokenizer_ext.extend",
         params=ExtendParams,
-        run=_extend,
+        entry="tokenizer_ext.extend:run",
         description="train target-language BPE pieces and append them to the base tokenizer",
     ),
     "embed": StageDef(
         name="tokenizer_ext.embed",
         params=EmbedParams,
-        run=_embed,
+        entry="tokenizer_ext.embed:run",
         description="resize embeddings and LM head; initialise new rows from their base pieces",
     ),
     "adapt": StageDef(
         name="tokenizer_ext.adapt",
         params=AdaptParams,
-        run=_adapt,
+        entry="tokenizer_ext.adapt:run",
         description="adaptation fine-tune (QLoRA, or full/embeddings under DeepSpeed ZeRO)",
         optional_inputs=("base",),  # the unextended model for compare_base; hashed when mapped
         training=True,

@@ -41,7 +41,9 @@ class BootstrapParams:
     tie_word_embeddings: bool = False
     arabic_share: float = field(default=0.01, metadata=check(ge(0.0), le(0.5), help="share of Arabic training tokens"))
     copy_fraction: float = field(
-        default=0.0, metadata=check(ge(0.0), le(0.9), help="share of rows that repeat a text span (grows copy/induction heads)"))
+        default=0.0,
+        metadata=check(ge(0.0), le(0.9), help="share of rows that repeat a text span (grows copy/induction heads)"),
+    )
     max_train_tokens: int = field(default=4_000_000, metadata=check(ge(1000)))
     eval_documents: int = field(default=300, metadata=check(ge(1)))
     tokenizer: str = field(default=DEFAULT_TOKENIZER, metadata=check(help="'mistral-common:<file>' or a .model path"))
@@ -60,7 +62,9 @@ class BootstrapParams:
             problems.append(f"train.seq_len: must be <= max_position_embeddings {self.max_position_embeddings}")
         if self.tokenizer.startswith("mistral-common:"):
             if importlib.util.find_spec("mistral_common") is None:
-                problems.append("tokenizer: mistral-common is not installed; install the demo extra: pip install -e '.[demo]'")
+                problems.append(
+                    "tokenizer: mistral-common is not installed; install the demo extra: pip install -e '.[demo]'"
+                )
         elif not Path(self.tokenizer).is_file():
             problems.append(f"tokenizer: no such SentencePiece model file {self.tokenizer!r}")
         return problems
@@ -122,7 +126,7 @@ def run(ctx: StageContext, p: BootstrapParams) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from warsha import distributed
-    from warsha.sp_convert import sp_model_to_hf
+    from warsha.sentencepiece_hf import sp_model_to_hf
     from warsha.training import Trainer
 
     torch.manual_seed(ctx.seed)
@@ -142,9 +146,12 @@ def run(ctx: StageContext, p: BootstrapParams) -> dict[str, Any]:
     result = trainer.run()
     train_time = time.perf_counter() - t0
     model = trainer.model
-    metrics: dict[str, Any] = {"train": result.summary(), "train_time_s": train_time,
-                               "parameters": sum(q.numel() for q in model.parameters()),
-                               "train_tokens": len(stream)}
+    metrics: dict[str, Any] = {
+        "train": result.summary(),
+        "train_time_s": train_time,
+        "parameters": sum(q.numel() for q in model.parameters()),
+        "train_tokens": len(stream),
+    }
     metrics.update(evaluate_base(ctx, p, model, tokenizer, stream))
     if ctx.is_main:
         model.generation_config.max_length = p.max_position_embeddings
@@ -212,7 +219,7 @@ def evaluate_base(ctx: StageContext, p: BootstrapParams, model: Any, tokenizer: 
 STAGE = StageDef(
     name="bootstrap",
     params=BootstrapParams,
-    run=run,
+    entry="warsha.bootstrap:run",
     description="train the small default Llama base model on the corpus (no download)",
     inputs=(),
     training=True,

@@ -37,9 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a recipe's stages", formatter_class=argparse.RawDescriptionHelpFormatter,
-                         description="Run a recipe. Finished stages whose config and inputs are unchanged are skipped;"
-                         " a killed training stage resumes from its last checkpoint.")
+    run = sub.add_parser(
+        "run",
+        help="run a recipe's stages",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a recipe. Finished stages whose config and inputs are unchanged are skipped;"
+        " a killed training stage resumes from its last checkpoint.",
+    )
     run.add_argument("recipe", type=Path, help="recipe YAML file")
     run.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. stages.yarn.params.factor=8")
     run.add_argument("--out", type=Path, default=None, help="run directory (default: runs/<recipe name>)")
@@ -54,8 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stages", help="list registered stages and their parameters")
     rep = sub.add_parser("report", help="write report.md with plots from a run directory's manifests")
     rep.add_argument("run_dir", type=Path)
-    sub.add_parser("serve", add_help=False, help="serve a model directory over an OpenAI-compatible HTTP API "
-                   "(same flags as `python -m serve`; see `warsha serve --help`)")
+    sub.add_parser(
+        "serve",
+        add_help=False,
+        help="serve a model directory over an OpenAI-compatible HTTP API "
+        "(same flags as `python -m serve`; see `warsha serve --help`)",
+    )
     return parser
 
 
@@ -64,12 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the serve package owns its flags; it must not depend on warsha
         _quiet_environment()
-        from serve.api_cli import main as serve_main
+        from serve.api.cli import main as serve_main
 
         return serve_main(argv[1:], prog="warsha serve")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     _quiet_environment()
     from warsha.artifacts import ArtifactError
     from warsha.config import RecipeError
@@ -85,9 +96,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_environment() -> None:
-    """Offline by default: no code in Warsha may fetch weights or data from a hub."""
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("WANDB_MODE", "offline"),
-                       ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_SILENT", "true")):
+    """Offline by default (no code in Warsha may fetch weights or data from a hub), and no
+    library progress bars when stderr is a file: their carriage-return redraws are unreadable
+    there, and Warsha's own progress (``warsha.progress``) already reports the long work."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for key, value in (
+        ("HF_HUB_OFFLINE", "1"),
+        ("HF_DATASETS_OFFLINE", "1"),
+        ("WANDB_MODE", "offline"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+        ("WANDB_SILENT", "true"),
+    ):
         os.environ.setdefault(key, value)
 
 
@@ -116,8 +136,11 @@ def print_plan(steps: list, select: set[int]) -> None:
 
     for s in steps:
         manifest = read_manifest(s.out_dir)
-        state = "not selected" if s.index not in select else (
-            "up to date" if manifest and manifest.get("config_hash") == s.config_hash else "will run")
+        state = (
+            "not selected"
+            if s.index not in select
+            else ("up to date" if manifest and manifest.get("config_hash") == s.config_hash else "will run")
+        )
         ins = ", ".join(f"{r}={p}" for r, p in s.inputs.items()) or "-"
         print(f"{s.index + 1:>2}. {s.stage:<24} id={s.key:<12} {state:<13} in: {ins}  out: {s.out_dir}")
 

@@ -109,7 +109,7 @@ def _split_key(key: str) -> list[str | int]:
 
 
 def _set_path(node: Any, parts: list[str | int], value: Any) -> None:
-    for i, part in enumerate(parts[:-1]):
+    for part in parts[:-1]:
         if isinstance(node, list) and isinstance(part, str):
             node = _stage_by_id(node, part)
             continue
@@ -161,8 +161,14 @@ def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
     return recipe
 
 
-def _check_entry(entry: StageEntry, i: int, roles: tuple[str, ...], seen: dict[str, int], recipe: Recipe,
-                 optional: tuple[str, ...] = ()) -> list[str]:
+def _check_entry(
+    entry: StageEntry,
+    i: int,
+    roles: tuple[str, ...],
+    seen: dict[str, int],
+    recipe: Recipe,
+    optional: tuple[str, ...] = (),
+) -> list[str]:
     path = f"stages[{i}]"
     problems = []
     if not _ID.match(entry.key):
@@ -205,7 +211,9 @@ def expand_env(node: Any) -> Any:
     if isinstance(node, list):
         return [expand_env(v) for v in node]
     if isinstance(node, str):
-        return _ENV.sub(lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), node)
+        return _ENV.sub(
+            lambda m: os.environ.get(m.group(1), m.group(2) if m.group(2) is not None else m.group(0)), node
+        )
     return node
 
 

@@ -59,14 +59,10 @@ class DataConfig:
     files: list[FileSpec] = field(default_factory=list)
     target_lang: str = "ar"
     source_lang: str = "en"
-    strip_diacritics: bool = field(
-        default=True, metadata=check(help="strip U+064B-U+065F, U+0670 and tatweel")
-    )
+    strip_diacritics: bool = field(default=True, metadata=check(help="strip U+064B-U+065F, U+0670 and tatweel"))
     validation_fraction: float = field(default=0.02, metadata=check(ge(0.0), le(0.5)))
     test_fraction: float = field(default=0.02, metadata=check(ge(0.0), le(0.5)))
-    max_documents: int | None = field(
-        default=None, metadata=check(ge(1), help="cap per language (fast tests)")
-    )
+    max_documents: int | None = field(default=None, metadata=check(ge(1), help="cap per language (fast tests)"))
 
     def validate(self) -> list[str]:
         """Cross-field and environment checks, run before anything is written."""

@@ -27,7 +27,7 @@ def is_main() -> bool:
 
 
 def init(device: str) -> None:
-    """Create the process group once, on CPU with gloo when there is no GPU (STACK.md)."""
+    """Create the process group once, on CPU with gloo when there is no GPU (docs/stack.md)."""
     if world_size() <= 1:
         return
     import torch

@@ -1,4 +1,4 @@
-"""The metrics every stage reports, defined once (DESIGN.md section 6).
+"""The metrics every stage reports, defined once (docs/metrics.md).
 
 - fertility: tokens per whitespace-separated word of normalised text;
 - bits per character: summed negative log-likelihood in bits over characters, which compares
@@ -12,8 +12,9 @@ scored with as much context as the window allows rather than truncated.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -127,10 +128,10 @@ def likelihood(
     jobs = [(doc, w) for doc in ids for w in windows(len(doc), max_length, stride)]
     total = 0.0
     device = next(model.parameters()).device
-    from tqdm.auto import tqdm
+    from warsha.progress import progress
 
     with torch.inference_mode():
-        for start in tqdm(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
+        for start in progress(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
             total += float(row_nll(model, jobs[start : start + batch_size], device).sum())
     return Likelihood(
         nll_nats=total,
@@ -186,9 +187,9 @@ def unigram_bits_per_char(train_ids: Sequence[Sequence[int]], texts: Sequence[st
     return nll / math.log(2) / max(sum(len(t) for t in texts), 1)
 
 
-# Acceptance-rate metrics live in warsha/acceptance.py (their own module, as they drive two
+# Acceptance-rate metrics live in warsha/speculative.py (their own module, as they drive two
 # models); re-exported here so every metric has one import path.
-from warsha.acceptance import (  # noqa: E402,F401
+from warsha.speculative import (  # noqa: E402,F401
     SpecStats,
     analytic_acceptance,
     empirical_acceptance,

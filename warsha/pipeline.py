@@ -15,7 +15,7 @@ import platform
 import shutil
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,19 @@ from warsha.stage import StageContext, StageDef
 from warsha.tracking import make_tracker
 
 log = logging.getLogger("warsha.pipeline")
-VERSIONED = ("torch", "transformers", "tokenizers", "peft", "accelerate", "bitsandbytes",
-             "deepspeed", "sentencepiece", "safetensors", "triton", "warsha")
+VERSIONED = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "peft",
+    "accelerate",
+    "bitsandbytes",
+    "deepspeed",
+    "sentencepiece",
+    "safetensors",
+    "triton",
+    "warsha",
+)
 PARTIAL_MARK = ".warsha_partial.json"
 
 
@@ -92,8 +103,7 @@ class Runner:
                 self._digests[path] = artifacts.verify(path)
             elif (path.parent / f".{path.name}.partial").exists() or not path.exists():
                 raise artifacts.ArtifactError(
-                    f"{path}: this input has not been produced yet; run its stage first"
-                    " (drop --only/--from)"
+                    f"{path}: this input has not been produced yet; run its stage first (drop --only/--from)"
                 )
             else:
                 self._digests[path] = artifacts.external_digest(path)
@@ -130,13 +140,25 @@ class Runner:
         partial = self._prepare_partial(step, digests)
         is_main = distributed.is_main()
         tracker = make_tracker(self.recipe.tracking, is_main)
-        tracker.start(f"{self.recipe.name}/{step.key}", self.recipe.name,
-                      {"stage": step.config, "recipe": recipe_dict(self.recipe)}, self.root)
+        tracker.start(
+            f"{self.recipe.name}/{step.key}",
+            self.recipe.name,
+            {"stage": step.config, "recipe": recipe_dict(self.recipe)},
+            self.root,
+        )
         ctx = StageContext(
-            stage=step.stage, stage_id=step.key, recipe=self.recipe, out_dir=partial,
-            inputs=step.inputs, input_manifests={r: artifacts.read_manifest(p) for r, p in step.inputs.items()},
-            checkpoint_dir=partial / "checkpoints", tracker=tracker, device=self.recipe.device,
-            seed=self.recipe.seed, is_main=is_main, world_size=distributed.world_size(),
+            stage=step.stage,
+            stage_id=step.key,
+            recipe=self.recipe,
+            out_dir=partial,
+            inputs=step.inputs,
+            input_manifests={r: artifacts.read_manifest(p) for r, p in step.inputs.items()},
+            checkpoint_dir=partial / "checkpoints",
+            tracker=tracker,
+            device=self.recipe.device,
+            seed=self.recipe.seed,
+            is_main=is_main,
+            world_size=distributed.world_size(),
         )
         t0 = time.perf_counter()
         metrics = step.sdef.run(ctx, step.params) or {}
@@ -168,8 +190,9 @@ class Runner:
         distributed.barrier()
         return partial
 
-    def _manifest(self, step: Planned, digests: dict[str, str], metrics: dict[str, Any],
-                  wall: float, run_id: str | None) -> dict[str, Any]:
+    def _manifest(
+        self, step: Planned, digests: dict[str, str], metrics: dict[str, Any], wall: float, run_id: str | None
+    ) -> dict[str, Any]:
         (step.out_dir.with_name(f".{step.out_dir.name}.partial") / PARTIAL_MARK).unlink(missing_ok=True)
         return {
             "stage": step.stage,
@@ -182,7 +205,7 @@ class Runner:
             "versions": package_versions(),
             "wall_time_s": round(wall, 3),
             "tracking": {"backend": self.recipe.tracking.backend, "run_id": run_id},
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "world_size": distributed.world_size(),
         }
 
@@ -200,6 +223,7 @@ def package_versions() -> dict[str, str]:
 
 def select_stages(steps: list[Planned], from_stage: str | None, only: str | None) -> set[int]:
     """Indices allowed to run under ``--from`` / ``--only`` (by id or stage name)."""
+
     def find(name: str) -> int:
         for s in steps:
             if name in (s.key, s.stage):

@@ -12,7 +12,7 @@ import importlib
 from warsha.stage import StageDef
 
 STAGE_PACKAGES = ("tokenizer_ext", "context_ext", "distill", "quantize")
-CORE_STAGES = {"bootstrap": "warsha.bootstrap", "serve.validate": "warsha.validate"}
+CORE_STAGES = {"bootstrap": "warsha.bootstrap", "serve.validate": "warsha.serve_validate"}
 
 
 class UnknownStage(KeyError):

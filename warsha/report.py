@@ -71,14 +71,25 @@ def write_report(run_dir: Path) -> Path:
         raise FileNotFoundError(f"{run_dir}: no finished artifacts (no warsha.json) to report on")
     plots_dir = run_dir / "report"
     plots_dir.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Warsha run: {artifacts[0][1].get('recipe', run_dir.name)}", "",
-             "Every figure below is read from the artifacts' `warsha.json` manifests.", "",
-             "## Lineage", "", *lineage(artifacts), ""]
+    lines = [
+        f"# Warsha run: {artifacts[0][1].get('recipe', run_dir.name)}",
+        "",
+        "Every figure below is read from the artifacts' `warsha.json` manifests.",
+        "",
+        "## Lineage",
+        "",
+        *lineage(artifacts),
+        "",
+    ]
     lines += run_plots(artifacts, plots_dir, run_dir)
     for d, m in artifacts:
-        lines += [f"## {m['stage']} (`{d.name}`)", "",
-                  f"wall time {m.get('wall_time_s', 0):.1f} s, created {m.get('created')}, "
-                  f"config hash `{m.get('config_hash', '')[:12]}`", ""]
+        lines += [
+            f"## {m['stage']} (`{d.name}`)",
+            "",
+            f"wall time {m.get('wall_time_s', 0):.1f} s, created {m.get('created')}, "
+            f"config hash `{m.get('config_hash', '')[:12]}`",
+            "",
+        ]
         for title, png, note in draw_plots(m, plots_dir, d.name):
             lines += [f"**{title}**", ""]
             lines += [f"![{title}]({png.relative_to(run_dir)})" if png else f"_{note}_", ""]

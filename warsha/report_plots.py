@@ -6,8 +6,9 @@ was missing, so a gap in the report is visible rather than silent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 PlotResult = tuple[str, Path | None, str]
 
@@ -49,7 +50,9 @@ def plot_bootstrap(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
     fig, ax = _figure()
     xs = range(len(langs))
     ax.bar([x - 0.2 for x in xs], [metrics[lang]["bits_per_char"] for lang in langs], 0.4, label="model")
-    ax.bar([x + 0.2 for x in xs], [metrics[lang].get("unigram_bits_per_char", 0) for lang in langs], 0.4, label="unigram")
+    ax.bar(
+        [x + 0.2 for x in xs], [metrics[lang].get("unigram_bits_per_char", 0) for lang in langs], 0.4, label="unigram"
+    )
     ax.set_xticks(list(xs), langs)
     ax.set_ylabel("bits per character")
     ax.legend()
@@ -95,8 +98,10 @@ def plot_quantization(m: dict[str, Any], out: Path, name: str) -> list[PlotResul
 def plot_adaptation(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
     """Held-out bits per character against training step, extended model and base control."""
     metrics = m.get("metrics", {})
-    runs = {label: _get(metrics, key, "bits_per_char_curve") for key, label in
-            (("extended", "extended"), ("base_same_budget", "base, same budget"))}
+    runs = {
+        label: _get(metrics, key, "bits_per_char_curve")
+        for key, label in (("extended", "extended"), ("base_same_budget", "base, same budget"))
+    }
     runs = {k: v for k, v in runs.items() if v}
     title = "Adaptation: held-out bits per character during training"
     if not runs:
@@ -116,12 +121,17 @@ def plot_adaptation(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]
 def plot_latency(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
     """Per-request TTFT and TPOT, with and without the draft, at each batch size."""
     metrics = m.get("metrics", {})
-    batches = sorted((k for k in metrics if k.startswith("batch") and isinstance(metrics[k], dict)),
-                     key=lambda k: int(k[5:]))
+    batches = sorted(
+        (k for k in metrics if k.startswith("batch") and isinstance(metrics[k], dict)), key=lambda k: int(k[5:])
+    )
     results = []
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT")):
-        series = {f"{b[5:]} {mode}": metrics[b][mode][key] for b in batches for mode in ("plain", "speculative")
-                  if _get(metrics, b, mode, key)}
+        series = {
+            f"{b[5:]} {mode}": metrics[b][mode][key]
+            for b in batches
+            for mode in ("plain", "speculative")
+            if _get(metrics, b, mode, key)
+        }
         title = f"{label} per request (batch size, engine)"
         if not series:
             results.append((title, None, f"no per-request {key} in the manifest"))
@@ -162,7 +172,10 @@ def plot_quant_summary(manifests: list[tuple[str, dict[str, Any]]], out: Path) -
         metrics = m.get("metrics", {})
         if not m.get("stage", "").startswith("quantize.") or "quantized" not in metrics:
             continue
-        ppl = lambda key: {lang: v["perplexity"] for lang, v in (metrics.get(key) or {}).items()}  # noqa: E731
+
+        def ppl(key: str, metrics: dict = metrics) -> dict[str, float]:
+            return {lang: v["perplexity"] for lang, v in (metrics.get(key) or {}).items()}
+
         rows.setdefault("unquantized", (ppl("unquantized"), metrics.get("input_size_bytes")))
         rows.setdefault("rtn", (ppl("rtn"), None))
         method = str(metrics.get("method", name))

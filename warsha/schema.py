@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, Literal, Union
+from collections.abc import Callable
+from typing import Any, Literal, Union
 
 Problem = str
 Check = Callable[[Any], "str | None"]

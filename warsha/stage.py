@@ -9,10 +9,12 @@ skipping and resuming; a stage only reads ``ctx.inputs`` and writes into ``ctx.o
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from warsha.config import Recipe
@@ -24,6 +26,10 @@ if TYPE_CHECKING:
 class StageDef:
     """A registered stage: its full name, parameter dataclass and entry point.
 
+    ``entry`` is ``"module:function"``, imported only when the stage runs: a ``stages`` module
+    never imports the code that does the work, so validating a recipe stays fast and no stage
+    package has an import cycle between its registry and its implementation.
+
     ``inputs`` names the artifact roles the stage reads (``model`` is the previous stage's
     output unless the recipe maps it elsewhere); an empty tuple means the stage creates a model
     from nothing (``bootstrap``). ``optional_inputs`` are roles a recipe may map; when mapped
@@ -33,12 +39,21 @@ class StageDef:
 
     name: str
     params: type
-    run: Callable[["StageContext", Any], dict[str, Any]]
+    entry: str
     description: str
     inputs: tuple[str, ...] = ("model",)
     optional_inputs: tuple[str, ...] = ()
     training: bool = False
     uses_data: bool = True
+
+    def run(self, ctx: "StageContext", params: Any) -> dict[str, Any]:
+        """Import the entry point and run it."""
+        return self.entry_point()(ctx, params)
+
+    def entry_point(self) -> Callable[["StageContext", Any], dict[str, Any]]:
+        """The function named by ``entry``."""
+        module, _, func = self.entry.partition(":")
+        return getattr(importlib.import_module(module), func)
 
 
 @dataclass

@@ -12,10 +12,12 @@ top-1 on first occurrences), so the recipe leaves them off; the option stays for
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 
-def repeat_row(source: Sequence[int], length: int, rng: random.Random, bos: int | None) -> tuple[list[int], list[float]]:
+def repeat_row(
+    source: Sequence[int], length: int, rng: random.Random, bos: int | None
+) -> tuple[list[int], list[float]]:
     """BOS + a random span of ``source`` repeated to fill ``length`` tokens, with loss weights.
 
     Every token of a repeat after the first is a copy target (weight 1); the first copy and the

@@ -14,9 +14,10 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from warsha.schema import check, ge, gt
 
@@ -45,9 +46,11 @@ class TrainParams:
     checkpoint_every: int = field(default=50, metadata=check(ge(1), help="steps between checkpoints"))
     log_every: int = field(default=10, metadata=check(ge(1)))
     eval_every: int = field(
-        default=0, metadata=check(ge(0), help="held-out evaluation every N steps and at step 0, for curves (0: off)"))
+        default=0, metadata=check(ge(0), help="held-out evaluation every N steps and at step 0, for curves (0: off)")
+    )
     bf16: bool | None = field(
-        default=None, metadata=check(help="bf16 autocast; null: where the device has fast bf16 (warsha.precision)"))
+        default=None, metadata=check(help="bf16 autocast; null: where the device has fast bf16 (warsha.precision)")
+    )
 
 
 @dataclass
@@ -126,9 +129,7 @@ def pack_documents(tokenizer: Any, texts: list[str], max_tokens: int | None = No
     return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
 
 
-def random_windows(
-    stream: "torch.Tensor", batch_size: int, seq_len: int, seed: int, *key: int
-) -> "torch.Tensor":
+def random_windows(stream: "torch.Tensor", batch_size: int, seq_len: int, seed: int, *key: int) -> "torch.Tensor":
     """``batch_size`` windows of ``seq_len`` tokens at offsets fixed by ``(seed, *key)``."""
     import torch
 
@@ -152,7 +153,7 @@ def _mix(*values: int) -> int:
 def check_ranks_in_sync(acc: Any, model: Any, name: str) -> bool:
     """Raise if data-parallel ranks ended with different weights.
 
-    A launcher that silently starts independent single-process runs (STACK.md: ``accelerate
+    A launcher that silently starts independent single-process runs (docs/stack.md: ``accelerate
     launch --cpu``, or ``torchrun`` without ``cpu=True``) trains diverging copies with no
     error; comparing a float64 checksum of the parameters across ranks catches it.
     """
@@ -161,8 +162,12 @@ def check_ranks_in_sync(acc: Any, model: Any, name: str) -> bool:
     if acc.num_processes <= 1 or acc.distributed_type.name.startswith("DEEPSPEED"):
         return True
     with torch.no_grad():
-        local = torch.stack([sum(p.double().sum() for p in model.parameters()),
-                             sum(p.double().square().sum() for p in model.parameters())])
+        local = torch.stack(
+            [
+                sum(p.double().sum() for p in model.parameters()),
+                sum(p.double().square().sum() for p in model.parameters()),
+            ]
+        )
     gathered = acc.gather(local.to(acc.device).unsqueeze(0)).cpu()
     if not torch.allclose(gathered, gathered[:1].expand_as(gathered), rtol=1e-9, atol=0):
         raise RuntimeError(f"{name}: parameters differ across {acc.num_processes} ranks after training")
@@ -241,7 +246,8 @@ class Trainer:
     def run(self) -> TrainResult:
         """Train, checkpointing every ``checkpoint_every`` steps; resume if a checkpoint exists."""
         import torch
-        from tqdm.auto import tqdm
+
+        from warsha.progress import progress
 
         acc = self.accelerator or make_accelerator(self.ctx.device, self.p)
         params = self.parameters or [q for q in self.model.parameters() if q.requires_grad]
@@ -252,8 +258,14 @@ class Trainer:
             self._evaluate(acc, 0)
         losses: list[float] = []
         tokens, t0 = 0, time.perf_counter()
-        bar = tqdm(range(start, self.p.steps), initial=start, total=self.p.steps, desc=self.name,
-                   disable=not acc.is_main_process, unit="step")
+        bar = progress(
+            range(start, self.p.steps),
+            initial=start,
+            total=self.p.steps,
+            desc=self.name,
+            disable=not acc.is_main_process,
+            unit="step",
+        )
         for step in bar:
             loss, n_tok = self._step(acc, model, opt, step)
             losses.append(loss)

@@ -49,9 +49,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="tokens per row")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-steps", type=float, default=0.5, help="fail above this max |dW| in grid steps")
-    p.add_argument("--bf16-factor", type=float, default=2.0,
-                   help="fail when the peer's max logit error (vs the fp32 reference) exceeds this multiple of the"
-                        " reference's own bf16 error")
+    p.add_argument(
+        "--bf16-factor",
+        type=float,
+        default=2.0,
+        help="fail when the peer's max logit error (vs the fp32 reference) exceeds this multiple of the"
+        " reference's own bf16 error",
+    )
     p.add_argument("--out", type=Path)
     return p.parse_args()
 
@@ -107,7 +111,6 @@ def compare_weights(peer_model: Any, ref_model: Any, steps: dict[str, Any]) -> d
     ``max_steps`` < 0.5 means every integer code, zero point and scale the peer decoded is the
     one Warsha wrote (one wrong code is a whole step; what remains is the peer's bf16 rounding).
     """
-    import torch
 
     worst_steps, worst_rel, worst_name, kinds = 0.0, 0.0, "", set()
     peer_modules = dict(peer_model.named_modules())
@@ -121,17 +124,25 @@ def compare_weights(peer_model: Any, ref_model: Any, steps: dict[str, Any]) -> d
         worst_rel = max(worst_rel, float(diff.max()) / max(float(ref.abs().max()), 1e-12))
         if in_steps >= worst_steps:
             worst_steps, worst_name = in_steps, name
-    return {"linears": len(steps), "kernels": sorted(kinds), "max_steps": worst_steps, "max_rel": worst_rel,
-            "worst": worst_name}
+    return {
+        "linears": len(steps),
+        "kernels": sorted(kinds),
+        "max_steps": worst_steps,
+        "max_rel": worst_rel,
+        "worst": worst_name,
+    }
 
 
 def compare_logits(a: Any, b: Any) -> dict[str, float]:
     """Max/mean absolute difference, relative to the logits' range, and argmax agreement."""
     a, b = a.float(), b.float()
     diff = (a - b).abs()
-    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
-            "max_rel_to_range": float(diff.max() / (b.max() - b.min())),
-            "argmax_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+    return {
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "max_rel_to_range": float(diff.max() / (b.max() - b.min())),
+        "argmax_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+    }
 
 
 def quantized_names(export_dir: Path) -> list[str]:
@@ -163,10 +174,18 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        peer = GPTQModel.load(str(export_dir), device="cpu", backend=BACKEND(backend), dtype=torch.bfloat16).model.eval()
+        peer = GPTQModel.load(
+            str(export_dir), device="cpu", backend=BACKEND(backend), dtype=torch.bfloat16
+        ).model.eval()
     except Exception as exc:  # a refusal is a result: record it, then fail
-        report = {"export_dir": str(export_dir), "quant_method": method, "library": f"gptqmodel {gptqmodel.__version__}",
-                  "backend": backend, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        report = {
+            "export_dir": str(export_dir),
+            "quant_method": method,
+            "library": f"gptqmodel {gptqmodel.__version__}",
+            "backend": backend,
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}",
+        }
         out.write_text(json.dumps(report, indent=2))
         print(f"gptqmodel could not load {export_dir}: {report['error']}")
         sys.exit(1)
@@ -175,29 +194,43 @@ def main() -> None:
     ref32 = load_dequantized(export_dir, torch.float32)
     ids = token_rows(export_dir, args.rows, args.tokens)
     with torch.no_grad():
-        logits = {name: m(input_ids=ids).logits for name, m in (("peer", peer), ("ref_bf16", ref16), ("ref_fp32", ref32))}
+        logits = {
+            name: m(input_ids=ids).logits for name, m in (("peer", peer), ("ref_bf16", ref16), ("ref_fp32", ref32))
+        }
     weights = compare_weights(peer, ref32, grid_steps(export_dir, quantized_names(export_dir), qc))
     report = {
-        "export_dir": str(export_dir), "quant_method": method, "bits": qc["bits"], "group_size": qc["group_size"],
-        "library": f"gptqmodel {gptqmodel.__version__}", "backend": backend, "torch": torch.__version__,
-        "load_seconds": load_seconds, "weights": weights,
+        "export_dir": str(export_dir),
+        "quant_method": method,
+        "bits": qc["bits"],
+        "group_size": qc["group_size"],
+        "library": f"gptqmodel {gptqmodel.__version__}",
+        "backend": backend,
+        "torch": torch.__version__,
+        "load_seconds": load_seconds,
+        "weights": weights,
         "logits_vs_ref_bf16": compare_logits(logits["peer"], logits["ref_bf16"]),
         "logits_vs_ref_fp32": compare_logits(logits["peer"], logits["ref_fp32"]),
         "ref_bf16_vs_ref_fp32": compare_logits(logits["ref_bf16"], logits["ref_fp32"]),
-        "rows": args.rows, "tokens": args.tokens,
+        "rows": args.rows,
+        "tokens": args.tokens,
     }
     bf16_budget = args.bf16_factor * report["ref_bf16_vs_ref_fp32"]["max_abs"] + 1e-3
     ok = weights["max_steps"] <= args.max_steps and report["logits_vs_ref_fp32"]["max_abs"] <= bf16_budget
     report["ok"] = ok
     out.write_text(json.dumps(report, indent=2))
     print(f"{report['library']} ({backend}) loaded {export_dir} [{method}, {qc['bits']}-bit, group {qc['group_size']}]")
-    print(f"  weights: {weights['linears']} linears via {weights['kernels']}: max |dW| = {weights['max_steps']:.3f} grid steps,"
-          f" {weights['max_rel']:.2e} of max |W|"
-          f" (worst {weights['worst']})")
+    print(
+        f"  weights: {weights['linears']} linears via {weights['kernels']}: max |dW| = "
+        f"{weights['max_steps']:.3f} grid steps,"
+        f" {weights['max_rel']:.2e} of max |W|"
+        f" (worst {weights['worst']})"
+    )
     for key in ("logits_vs_ref_bf16", "logits_vs_ref_fp32", "ref_bf16_vs_ref_fp32"):
         c = report[key]
-        print(f"  {key}: max |d| {c['max_abs']:.4f} ({c['max_rel_to_range']:.2e} of range), mean {c['mean_abs']:.4f},"
-              f" argmax agreement {c['argmax_agree']:.2%}")
+        print(
+            f"  {key}: max |d| {c['max_abs']:.4f} ({c['max_rel_to_range']:.2e} of range), mean {c['mean_abs']:.4f},"
+            f" argmax agreement {c['argmax_agree']:.2%}"
+        )
     print(f"  {'OK' if ok else 'FAILED'}; wrote {out}")
     sys.exit(0 if ok else 1)
 

@@ -30,14 +30,29 @@ def main() -> None:
     from compressed_tensors.quantization import QuantizationArgs
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
-    args = QuantizationArgs(num_bits=job["bits"], type="int", symmetric=True, strategy="group",
-                            group_size=job["group_size"], actorder=job.get("actorder"))
+    args = QuantizationArgs(
+        num_bits=job["bits"],
+        type="int",
+        symmetric=True,
+        strategy="group",
+        group_size=job["group_size"],
+        actorder=job.get("actorder"),
+    )
     scale = job["scale"].float()
     zero = torch.zeros_like(scale, dtype=torch.int8)
-    q, _, fallback = quantize_weight(job["weight"].float()[None].clone(), job["hessian"].float()[None].clone(), scale[None],
-                                     zero[None], None, args, percdamp=job.get("damp", 0.01))
-    torch.save({"weight": q[0], "rtn_fallback": bool(fallback[0]), "library": f"llmcompressor {llmcompressor.__version__}"},
-               sys.argv[2])
+    q, _, fallback = quantize_weight(
+        job["weight"].float()[None].clone(),
+        job["hessian"].float()[None].clone(),
+        scale[None],
+        zero[None],
+        None,
+        args,
+        percdamp=job.get("damp", 0.01),
+    )
+    torch.save(
+        {"weight": q[0], "rtn_fallback": bool(fallback[0]), "library": f"llmcompressor {llmcompressor.__version__}"},
+        sys.argv[2],
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,16 @@ def cpu_workarounds() -> list[str]:
 
 def scheme(bits: int, group_size: int, symmetric: bool) -> dict[str, Any]:
     """A weight-only group scheme (``W4A16`` is this with bits 4, group 128, symmetric)."""
-    return {"targets": ["Linear"], "weights": {"num_bits": bits, "type": "int", "symmetric": symmetric,
-                                               "strategy": "group", "group_size": group_size}}
+    return {
+        "targets": ["Linear"],
+        "weights": {
+            "num_bits": bits,
+            "type": "int",
+            "symmetric": symmetric,
+            "strategy": "group",
+            "group_size": group_size,
+        },
+    }
 
 
 def recipe(method: str, job: dict[str, Any]) -> list[Any]:
@@ -67,7 +75,10 @@ def recipe(method: str, job: dict[str, Any]) -> list[Any]:
         groups = {"group_0": scheme(job["bits"], job["group_size"], True)}
         return [GPTQModifier(config_groups=groups, ignore=ignore, actorder=job.get("gptq_actorder", "static"))]
     groups = {"group_0": scheme(job["bits"], job["group_size"], False)}
-    return [AWQModifier(mappings=awq_mappings(job.get("ignore", []))), QuantizationModifier(config_groups=groups, ignore=ignore)]
+    return [
+        AWQModifier(mappings=awq_mappings(job.get("ignore", []))),
+        QuantizationModifier(config_groups=groups, ignore=ignore),
+    ]
 
 
 def awq_mappings(ignore: list[str]) -> list[Any]:
@@ -79,11 +90,18 @@ def awq_mappings(ignore: list[str]) -> list[Any]:
     """
     from llmcompressor.modifiers.transform.awq.mappings import AWQMapping
 
-    table = [("input_layernorm", ["q_proj", "k_proj", "v_proj"]), ("v_proj", ["o_proj"]),
-             ("post_attention_layernorm", ["gate_proj", "up_proj"]), ("up_proj", ["down_proj"])]
+    table = [
+        ("input_layernorm", ["q_proj", "k_proj", "v_proj"]),
+        ("v_proj", ["o_proj"]),
+        ("post_attention_layernorm", ["gate_proj", "up_proj"]),
+        ("up_proj", ["down_proj"]),
+    ]
     ignored = {name.rsplit(".", 1)[-1] for name in ignore}
-    return [AWQMapping(f"re:.*{smooth}$", [f"re:.*{b}$" for b in balance])
-            for smooth, balance in table if not set(balance) <= ignored]
+    return [
+        AWQMapping(f"re:.*{smooth}$", [f"re:.*{b}$" for b in balance])
+        for smooth, balance in table
+        if not set(balance) <= ignored
+    ]
 
 
 def fake_quantized_state(model: Any, reference_keys: set[str]) -> tuple[dict[str, Any], int]:
@@ -103,7 +121,10 @@ def fake_quantized_state(model: Any, reference_keys: set[str]) -> tuple[dict[str
         state[f"{name}.weight"] = w.detach().clone()
         gs = qscheme.weights.group_size
         groups = w.reshape(w.shape[0], -1, gs)
-        levels = max(levels, max(len(torch.unique(groups[r, g])) for r in range(min(4, w.shape[0])) for g in range(groups.shape[1])))
+        levels = max(
+            levels,
+            max(len(torch.unique(groups[r, g])) for r in range(min(4, w.shape[0])) for g in range(groups.shape[1])),
+        )
     return state, levels
 
 
@@ -120,13 +141,21 @@ def run_one(method: str, job: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
     keys = set(model.state_dict())
     start = time.perf_counter()
-    oneshot(model=model, dataset=data, recipe=recipe(method, job), num_calibration_samples=rows.shape[0],
-            max_seq_length=rows.shape[1], pipeline="sequential")
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=recipe(method, job),
+        num_calibration_samples=rows.shape[0],
+        max_seq_length=rows.shape[1],
+        pipeline="sequential",
+    )
     wall = time.perf_counter() - start
     state, levels = fake_quantized_state(model, keys)
     target = out_dir / method
     target.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"), metadata={"format": "pt"}
+    )
     for f in Path(job["model"]).iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.suffix in (".json", ".model", ".txt"):
             shutil.copy2(f, target / f.name)
@@ -142,14 +171,20 @@ def main() -> None:
     import compressed_tensors
     import llmcompressor
 
-    out: dict[str, Any] = {"library": f"llmcompressor {llmcompressor.__version__}",
-                           "compressed_tensors": compressed_tensors.__version__, "torch": torch.__version__,
-                           "workarounds": cpu_workarounds()}
+    out: dict[str, Any] = {
+        "library": f"llmcompressor {llmcompressor.__version__}",
+        "compressed_tensors": compressed_tensors.__version__,
+        "torch": torch.__version__,
+        "workarounds": cpu_workarounds(),
+    }
     for method in job["methods"]:
         try:
             out[method] = run_one(method, job, out_dir)
         except Exception as exc:  # a peer failing on CPU is a result to report, not a crash
-            out[method] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}", "traceback": traceback.format_exc()[-2000:]}
+            out[method] = {
+                "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+                "traceback": traceback.format_exc()[-2000:],
+            }
         print(method, json.dumps(out[method]), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "result.json").write_text(json.dumps(out, indent=2))

@@ -1,4 +1,4 @@
-"""The attention backend interface and its selection by device.
+"""The attention backend's selection by device (the interface is in `interface.py`).
 
 The model calls `backend.build_metadata` once per forward (all index arithmetic, shared by
 every layer) and `backend.forward` once per layer. The CUDA backend (Triton kernels,
@@ -10,52 +10,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-
-@dataclass
-class SeqChunk:
-    """One sequence's share of a forward: `query_len` new tokens ending a `context_len` context.
-
-    The queries occupy rows [query_start, query_start + query_len) of the flat token batch and
-    sit at positions [context_len - query_len, context_len).
-    """
-
-    query_start: int
-    query_len: int
-    context_len: int
-    block_table: list[int]
-
-
-class AttentionBackend(Protocol):
-    """What the model needs from an attention implementation."""
-
-    name: str
-
-    def build_metadata(self, chunks: list[SeqChunk], block_size: int) -> object:
-        """Precompute slots, gather indices and masks for one forward."""
-        ...
-
-    def slot_mapping(self, metadata: object) -> torch.Tensor:
-        """Cache slot of every query token, [T] int64."""
-        ...
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: object,
-        scale: float,
-    ) -> torch.Tensor:
-        """Attention output [T, heads, head_dim]; k_new/v_new are already written to the cache."""
-        ...
-
+from serve.attention.interface import AttentionBackend
 
 BACKENDS = ("torch", "triton")
 
@@ -87,7 +45,11 @@ def get_backend(device: torch.device | str, prefer: str | None = None, **options
         from serve.attention.triton_backend import TritonPagedAttention
     except ImportError as err:
         if prefer == "triton":
-            raise ValueError(f"prefer='triton' but triton cannot be imported ({err}); install triton or use prefer='torch'") from err
-        warnings.warn(f"triton cannot be imported ({err}); serving attention on {kind} with the torch backend", stacklevel=2)
+            raise ValueError(
+                f"prefer='triton' but triton cannot be imported ({err}); install triton or use prefer='torch'"
+            ) from err
+        warnings.warn(
+            f"triton cannot be imported ({err}); serving attention on {kind} with the torch backend", stacklevel=2
+        )
         return TorchPagedAttention()
     return TritonPagedAttention(device, **options)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from serve.attention.backend import SeqChunk
+from serve.attention.interface import SeqChunk
 from serve.cpu import upcast_bf16_default
 from serve.kv_cache import block_table_tensor, slots_for
 
@@ -64,7 +64,9 @@ def _check_layout(chunks: list[SeqChunk]) -> None:
 SPLIT_RATIO = 0.7
 
 
-def split_by_context(idx: list[int], lengths: list[int], min_group: int = 8, ratio: float | None = None) -> list[list[int]]:
+def split_by_context(
+    idx: list[int], lengths: list[int], min_group: int = 8, ratio: float | None = None
+) -> list[list[int]]:
     """Split a same-query-length group so that padding to the longest context stays bounded.
 
     Sequences are sorted by context length and cut where a context falls below `ratio` (SPLIT_RATIO) of its
@@ -78,7 +80,11 @@ def split_by_context(idx: list[int], lengths: list[int], min_group: int = 8, rat
     parts: list[list[int]] = [[]]
     longest = lengths[order[0]]
     for j in order:
-        if lengths[j] < ratio * longest and len(parts[-1]) >= min_group and len(order) - sum(map(len, parts)) >= min_group:
+        if (
+            lengths[j] < ratio * longest
+            and len(parts[-1]) >= min_group
+            and len(order) - sum(map(len, parts)) >= min_group
+        ):
             parts.append([])
             longest = lengths[j]
         parts[-1].append(idx[j])
@@ -121,7 +127,11 @@ class TorchPagedAttention:
         first = chunks[idx[0]].query_start
         contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
         row_range = (first, first + q_len * len(idx)) if contiguous else None
-        rows = None if contiguous else (torch.tensor([chunks[i].query_start for i in idx])[:, None] + torch.arange(q_len)).reshape(-1)
+        rows = (
+            None
+            if contiguous
+            else (torch.tensor([chunks[i].query_start for i in idx])[:, None] + torch.arange(q_len)).reshape(-1)
+        )
         ctx = torch.tensor([chunks[i].context_len for i in idx])
         if len(idx) == 1 and int(ctx[0]) == q_len:
             return AttentionGroup(q_len, 1, row_range, rows, None, 0, block_size, None)
@@ -154,10 +164,18 @@ class TorchPagedAttention:
         up = self.upcast_bf16
         up = q.dtype == torch.bfloat16 and (upcast_bf16_default(q.dtype, q.device) if up is None else up)
         if len(groups) == 1 and groups[0].row_range == (0, q.shape[0]):
-            return self._group_forward(q, k_new, v_new, k_cache, v_cache, groups[0], scale, up).reshape(q.shape).to(q.dtype)
+            return (
+                self._group_forward(q, k_new, v_new, k_cache, v_cache, groups[0], scale, up)
+                .reshape(q.shape)
+                .to(q.dtype)
+            )
         out = torch.empty_like(q)
         for g in groups:
-            o = self._group_forward(q, k_new, v_new, k_cache, v_cache, g, scale, up).reshape(-1, *q.shape[1:]).to(q.dtype)
+            o = (
+                self._group_forward(q, k_new, v_new, k_cache, v_cache, g, scale, up)
+                .reshape(-1, *q.shape[1:])
+                .to(q.dtype)
+            )
             if g.row_range is not None:
                 out[g.row_range[0] : g.row_range[1]] = o
             else:
@@ -188,7 +206,12 @@ class TorchPagedAttention:
             if upcast:
                 kg, vg = kg.float(), vg.float()
             o = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), is_causal=g.query_len > 1, scale=scale, enable_gqa=True,
+                qg.transpose(1, 2),
+                kg.transpose(1, 2),
+                vg.transpose(1, 2),
+                is_causal=g.query_len > 1,
+                scale=scale,
+                enable_gqa=True,
             )
             return o.transpose(1, 2)
         kv_heads, _, dim = k_cache.shape
@@ -200,7 +223,11 @@ class TorchPagedAttention:
             keys, values = keys.float(), values.float()
         length = keys.shape[2]
         # [B, Q, Hkv, G, D] -> [Hkv, B, G*Q, D]: query heads grouped onto their KV head
-        qh = qg.reshape(batch, q_len, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads, batch, group * q_len, dim)
+        qh = (
+            qg.reshape(batch, q_len, kv_heads, group, dim)
+            .permute(2, 0, 3, 1, 4)
+            .reshape(kv_heads, batch, group * q_len, dim)
+        )
         scores = torch.matmul(qh, keys.transpose(-1, -2)).float().mul_(scale)
         scores = scores.view(kv_heads, batch, group, q_len, length)
         if g.mask is not None:
@@ -241,5 +268,7 @@ def paged_attention_reference(
         q_pos = torch.arange(c.context_len - c.query_len, c.context_len)
         allowed = torch.arange(c.context_len)[None, :] <= q_pos[:, None]
         scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out[c.query_start : c.query_start + c.query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        out[c.query_start : c.query_start + c.query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(
+            q.dtype
+        )
     return out

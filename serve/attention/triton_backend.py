@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.attention import triton_common as common
 from serve.attention import triton_cache, triton_decode, triton_prefill
-from serve.attention.backend import SeqChunk
+from serve.attention import triton_common as common
+from serve.attention.interface import SeqChunk
 from serve.attention.torch_ref import _check_layout
 from serve.kv_cache import block_table_tensor, slots_for
 
@@ -132,7 +132,14 @@ class TritonPagedAttention:
         """Cache slot of every new token."""
         return metadata.slot_mapping
 
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: TritonAttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
         """Store the new k, v [T, Hkv, D] into one layer's caches [Hkv, slots, D] by the slot mapping."""
         triton_cache.write_kv(k_cache, v_cache, metadata.slot_mapping, k, v)
 
@@ -153,18 +160,47 @@ class TritonPagedAttention:
         d, p = metadata.decode, metadata.prefill
         if d is not None:
             triton_decode.paged_decode(
-                q, k_cache, v_cache, out, d.q_rows, d.block_tables, d.context_lens, d.max_context_len,
-                metadata.block_size, scale, self.partition_size,
+                q,
+                k_cache,
+                v_cache,
+                out,
+                d.q_rows,
+                d.block_tables,
+                d.context_lens,
+                d.max_context_len,
+                metadata.block_size,
+                scale,
+                self.partition_size,
             )
         if p is not None:
             triton_prefill.paged_prefill(
-                q, k_new, v_new, k_cache, v_cache, out, p.block_tables, p.tile_seq, p.tile_start,
-                p.q_starts, p.q_lens, p.context_lens, metadata.block_size, self.block_m, scale,
+                q,
+                k_new,
+                v_new,
+                k_cache,
+                v_cache,
+                out,
+                p.block_tables,
+                p.tile_seq,
+                p.tile_start,
+                p.q_starts,
+                p.q_lens,
+                p.context_lens,
+                metadata.block_size,
+                self.block_m,
+                scale,
             )
         return out
 
     @staticmethod
-    def _check(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: TritonAttentionMetadata) -> None:
+    def _check(
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: TritonAttentionMetadata,
+    ) -> None:
         """Shapes and devices agree with each other and with the metadata (cheap host checks)."""
         common.check_device("TritonPagedAttention.forward", q, k_new, v_new, k_cache, v_cache, md.slot_mapping)
         tokens, heads, dim = q.shape
@@ -174,6 +210,10 @@ class TritonPagedAttention:
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
         if k_cache.shape != v_cache.shape or k_cache.shape[2] != dim or k_cache.stride(-1) != 1:
-            raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} must be contiguous [Hkv, slots, {dim}]")
+            raise ValueError(
+                f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} must be contiguous [Hkv, slots, {dim}]"
+            )
         if k_new.shape != (tokens, kv_heads, dim) or v_new.shape != k_new.shape:
-            raise ValueError(f"k_new/v_new must be [{tokens}, {kv_heads}, {dim}], got {tuple(k_new.shape)}/{tuple(v_new.shape)}")
+            raise ValueError(
+                f"k_new/v_new must be [{tokens}, {kv_heads}, {dim}], got {tuple(k_new.shape)}/{tuple(v_new.shape)}"
+            )

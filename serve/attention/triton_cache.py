@@ -19,9 +19,21 @@ from serve.attention.triton_common import round_to
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ch,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Copy BLOCK_T tokens of one KV head to their slots, skipping slots < 0."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -38,11 +50,16 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst, round_to(v, v_cache_ptr.dtype.element_ty), mask=ok)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Store k, v [T, Hkv, D] at `slots` [T] of one layer's caches [Hkv, slots, D] (slot < 0: skip)."""
     common.check_device("write_kv", k_cache, v_cache, slots, k, v)
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (k_cache.shape[0], k_cache.shape[2]):
-        raise ValueError(f"write_kv: k/v {tuple(k.shape)}/{tuple(v.shape)} do not fit the cache {tuple(k_cache.shape)} as [T, Hkv, D]")
+        raise ValueError(
+            f"write_kv: k/v {tuple(k.shape)}/{tuple(v.shape)} do not fit the cache {tuple(k_cache.shape)} as "
+            "[T, Hkv, D]"
+        )
     if slots.shape != (k.shape[0],):
         raise ValueError(f"write_kv: slots has shape {tuple(slots.shape)}, expected ({k.shape[0]},)")
     num_tokens = k.shape[0]
@@ -54,7 +71,19 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     block_t = 16
     dim = k.shape[2]
     _write_kv_kernel[(-(-num_tokens // block_t), k.shape[1])](
-        k, v, k_cache, v_cache, slots, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-        HEAD_DIM=dim, BLOCK_D=common.next_pow2(dim), BLOCK_T=block_t,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        num_tokens,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        HEAD_DIM=dim,
+        BLOCK_D=common.next_pow2(dim),
+        BLOCK_T=block_t,
     )

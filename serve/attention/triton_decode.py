@@ -33,13 +33,36 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, q_rows_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    q_rows_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_ch, stride_cs, stride_bt, stride_ot, stride_oh,
-    stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ch,
+    stride_cs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_pp,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One (sequence, KV head, partition): online softmax over at most PARTITION positions."""
@@ -56,8 +79,11 @@ def _decode_partition_kernel(
         heads = kv_head * GROUP + g
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.load(
+            q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -93,10 +119,24 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, context_lens_ptr, q_rows_ptr,
-    stride_ot, stride_oh, stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PARTITION: tl.constexpr, MAX_PARTS: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    context_lens_ptr,
+    q_rows_ptr,
+    stride_ot,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_pp,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+    MAX_PARTS: tl.constexpr,
 ):
     """One (sequence, KV head): log-sum-exp merge of the partitions of the group's query heads."""
     seq = tl.program_id(0)
@@ -113,8 +153,12 @@ def _decode_merge_kernel(
     top = tl.max(lse, 1)
     top = tl.where(g < GROUP, top, 0.0)  # padded heads: avoid -inf - -inf
     w = tl.where(gp_ok, tl.exp2(lse - top[:, None]), 0.0)
-    o_off = (seq.to(tl.int64) * stride_pb + heads[:, None, None] * stride_ph + p[None, :, None] * stride_pp
-             + d[None, None, :])
+    o_off = (
+        seq.to(tl.int64) * stride_pb
+        + heads[:, None, None] * stride_ph
+        + p[None, :, None] * stride_pp
+        + d[None, None, :]
+    )
     d_ok = d < HEAD_DIM
     o = tl.load(part_out_ptr + o_off, mask=gp_ok[:, :, None] & d_ok[None, None, :], other=0.0)
     denom = tl.sum(w, 1)
@@ -174,18 +218,56 @@ def paged_decode(
     pos = part_out.stride() if split else (0, 0, 0, 0)
     lss = part_lse.stride() if split else (0, 0, 0)
     _decode_partition_kernel[(batch, kv_heads, n_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, q_rows, out, part_out, part_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        q_rows,
+        out,
+        part_out,
+        part_lse,
         scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), pos[0], pos[1], pos[2], lss[0], lss[1],
-        GROUP=group, BLOCK_G=max(16, common.next_pow2(group)), HEAD_DIM=dim, BLOCK_D=common.next_pow2(dim),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION=partition, SPLIT=split,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        pos[0],
+        pos[1],
+        pos[2],
+        lss[0],
+        lss[1],
+        GROUP=group,
+        BLOCK_G=max(16, common.next_pow2(group)),
+        HEAD_DIM=dim,
+        BLOCK_D=common.next_pow2(dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        PARTITION=partition,
+        SPLIT=split,
         PRECISION=common.dot_precision(k_cache.dtype),
     )
     if split:
         _decode_merge_kernel[(batch, kv_heads)](
-            out, part_out, part_lse, context_lens, q_rows,
-            out.stride(0), out.stride(1), pos[0], pos[1], pos[2], lss[0], lss[1],
-            GROUP=group, BLOCK_G=common.next_pow2(group), HEAD_DIM=dim, BLOCK_D=common.next_pow2(dim),
-            PARTITION=partition, MAX_PARTS=common.next_pow2(n_parts),
+            out,
+            part_out,
+            part_lse,
+            context_lens,
+            q_rows,
+            out.stride(0),
+            out.stride(1),
+            pos[0],
+            pos[1],
+            pos[2],
+            lss[0],
+            lss[1],
+            GROUP=group,
+            BLOCK_G=common.next_pow2(group),
+            HEAD_DIM=dim,
+            BLOCK_D=common.next_pow2(dim),
+            PARTITION=partition,
+            MAX_PARTS=common.next_pow2(n_parts),
         )

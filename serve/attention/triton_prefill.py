@@ -47,13 +47,38 @@ def _softmax_step(q, k, v, s_ok, qk_scale, m_i, l_i, acc, PRECISION: tl.constexp
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr,
-    tile_seq_ptr, tile_start_ptr, q_starts_ptr, q_lens_ptr, context_lens_ptr,
+    q_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    q_starts_ptr,
+    q_lens_ptr,
+    context_lens_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ch, stride_cs, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ch,
+    stride_cs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One (query tile, KV head): BLOCK_M tokens x the group's heads against prefix + chunk."""
     tile = tl.program_id(0)
@@ -95,8 +120,12 @@ def _prefill_kernel(
         j_ok = j < hi
         tok = (q_start + j)[:, None]
         kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_new_ptr + tok * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_new_ptr + tok * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_new_ptr + tok * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )
+        v = tl.load(v_new_ptr + tok * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(
+            tl.float32
+        )
         visible = j_ok[None, :] & (j[None, :] <= qi[:, None])
         m_i, l_i, acc = _softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
 
@@ -138,10 +167,36 @@ def paged_prefill(
     if block_m * block_g < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m}: must be a power of two with block_m * group >= 16 (group {group})")
     _prefill_kernel[(n_tiles, kv_heads)](
-        q, k_new, v_new, k_cache, v_cache, out, block_tables, tile_seq, tile_start, q_starts, q_lens, context_lens,
+        q,
+        k_new,
+        v_new,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        tile_seq,
+        tile_start,
+        q_starts,
+        q_lens,
+        context_lens,
         scale * LOG2E,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=common.next_pow2(dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=32, PRECISION=common.dot_precision(k_cache.dtype),
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=dim,
+        BLOCK_D=common.next_pow2(dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        PRECISION=common.dot_precision(k_cache.dtype),
     )

@@ -14,8 +14,16 @@ def llama_config_dict(max_pos: int = 64, **extra: Any) -> dict[str, Any]:
     """config.json of a tiny Llama as transformers 5.23 writes it."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=max_pos, **extra)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=max_pos,
+        **extra,
+    )
     return cfg.to_dict()
 
 
@@ -35,9 +43,18 @@ def make_ctx(tmp_path: Path, model_dir: Path, corpus: Any, seed: int = 0) -> Any
     out = tmp_path / "out"
     out.mkdir(parents=True, exist_ok=True)
     return StageContext(
-        stage="context_ext.yarn", stage_id="yarn", recipe=None, out_dir=out,  # type: ignore[arg-type]
-        inputs={"model": model_dir}, input_manifests={"model": None}, checkpoint_dir=out / "checkpoints",
-        tracker=Tracker(), device="cpu", seed=seed, log=logging.getLogger("test"), _corpus=corpus,
+        stage="context_ext.yarn",
+        stage_id="yarn",
+        recipe=None,
+        out_dir=out,  # type: ignore[arg-type]
+        inputs={"model": model_dir},
+        input_manifests={"model": None},
+        checkpoint_dir=out / "checkpoints",
+        tracker=Tracker(),
+        device="cpu",
+        seed=seed,
+        log=logging.getLogger("test"),
+        _corpus=corpus,
     )
 
 

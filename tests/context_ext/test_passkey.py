@@ -18,14 +18,21 @@ def tok_and_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from warsha.bootstrap import tokenizer_file
-    from warsha.sp_convert import sp_model_to_hf
+    from warsha.sentencepiece_hf import sp_model_to_hf
 
     d = tmp_path_factory.mktemp("tok")
     sp_model_to_hf(tokenizer_file("mistral-common:tokenizer.model.v1"), d)
     tok = AutoTokenizer.from_pretrained(d)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     return tok, LlamaForCausalLM(cfg).eval()
 
 
@@ -56,7 +63,7 @@ def test_sample_layout(tok_and_model: tuple[Any, Any]) -> None:
         s = passkey.make_sample(fmt, filler, length, depth, random.Random(length), "eval")
         assert len(s.input_ids) == length
         assert passkey.key_split(int(s.key)) == "eval"
-        assert tok.decode(s.input_ids[-s.answer_len:]).strip() == s.key
+        assert tok.decode(s.input_ids[-s.answer_len :]).strip() == s.key
         needle = fmt.needle_ids(s.key)
         at = next(i for i in range(length) if s.input_ids[i : i + len(needle)] == needle)
         n_fill = length - fmt.overhead(s.key)
@@ -76,14 +83,14 @@ def test_greedy_hits_equal_generate(tok_and_model: tuple[Any, Any]) -> None:
         prompt = torch.tensor([s.input_ids[: -s.answer_len]])
         with torch.inference_mode():
             gen = model.generate(prompt, max_new_tokens=s.answer_len, do_sample=False, pad_token_id=0)
-        generated = gen[0, prompt.shape[1]:].tolist()
+        generated = gen[0, prompt.shape[1] :].tolist()
         # a sample whose "key" is what greedy decoding produces must be a hit ...
         forced = passkey.Sample(s.input_ids[: -s.answer_len] + generated, s.answer_len, s.depth, s.key)
         # ... and changing any one of its tokens must make it a miss
         wrong = list(forced.input_ids)
         wrong[-1 - trial % s.answer_len] = (wrong[-1 - trial % s.answer_len] + 1) % len(tok)
         miss = passkey.Sample(wrong, s.answer_len, s.depth, s.key)
-        assert passkey.greedy_hits(model, [forced, miss, s]) == [True, False, generated == s.input_ids[-s.answer_len:]]
+        assert passkey.greedy_hits(model, [forced, miss, s]) == [True, False, generated == s.input_ids[-s.answer_len :]]
 
 
 def test_wilson_matches_scipy() -> None:
@@ -104,7 +111,9 @@ def test_trials_stop_when_interval_is_narrow(tok_and_model: tuple[Any, Any]) -> 
     assert cell.trials <= 200
     assert (high - low) / 2 <= 0.05 or cell.trials == 200
     assert cell.trials >= 20 and cell.trials % len(passkey.EVAL_DEPTHS) == 0
-    again = passkey.evaluate_length(model, fmt, filler, 64, min_trials=20, max_trials=200, half_width=0.05, batch_size=8)
+    again = passkey.evaluate_length(
+        model, fmt, filler, 64, min_trials=20, max_trials=200, half_width=0.05, batch_size=8
+    )
     assert again == cell  # the same prompts every time: methods are compared on identical samples
 
 
@@ -147,7 +156,6 @@ def test_long_documents_reach_the_length(tok_and_model: tuple[Any, Any], corpus:
         longdata.long_documents(tok, ["short text"], 2, 1000)
 
 
-
 def test_repeat_rows_mark_only_copyable_targets() -> None:
     rng = random.Random(5)
     filler = [rng.randrange(3, 1000) for _ in range(5000)]
@@ -156,15 +164,28 @@ def test_repeat_rows_mark_only_copyable_targets() -> None:
         assert len(ids) == len(w) == length and ids[0] == 1
         marked = [i for i, x in enumerate(w) if x > 0]
         assert len(marked) > length // 2
-        span = next(s for s in range(1, length) if ids[1 : 1 + s] == ids[1 + s : 1 + 2 * s][: s])
+        span = next(s for s in range(1, length) if ids[1 : 1 + s] == ids[1 + s : 1 + 2 * s][:s])
         for i in marked:  # each target and its predecessor occurred one span earlier
             assert ids[i] == ids[i - span] and ids[i - 1] == ids[i - 1 - span]
 
 
 def test_curriculum_doubles_length_with_constant_tokens(tok_and_model: tuple[Any, Any], corpus: Any) -> None:
     tok, _ = tok_and_model
-    b = longdata.make_batches(tok, corpus, "en", 1024, 2, 0.4, 0, copy_fraction=0.4, start_len=256, steps=100,
-                              curriculum=0.6, lm_positions=0.5, max_stream_tokens=200_000)
+    b = longdata.make_batches(
+        tok,
+        corpus,
+        "en",
+        1024,
+        2,
+        0.4,
+        0,
+        copy_fraction=0.4,
+        start_len=256,
+        steps=100,
+        curriculum=0.6,
+        lm_positions=0.5,
+        max_stream_tokens=200_000,
+    )
     lengths = [b.length_at(s) for s in range(100)]
     assert lengths[0] == 256 and lengths[-1] == 1024 and sorted(lengths) == lengths
     assert set(lengths) == {256, 512, 1024} and lengths.index(1024) == 60
@@ -182,7 +203,9 @@ def test_weighted_loss_on_selected_targets_matches_full_logits(tok_and_model: tu
     weights = (torch.rand(3, 40) < 0.3).float() * torch.randint(1, 4, (3, 40))
     weights[0, -3:] = 5.0
     logits = model(input_ids=ids).logits[:, :-1].double()
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+    )
     w = weights[:, 1:].reshape(-1).double()
     ref = (nll * w).sum() / w.sum()
     got = longdata.weighted_lm_loss(model, {"input_ids": ids, "loss_weights": weights})
@@ -195,26 +218,30 @@ def test_source_fraction_mixes_the_other_languages_train_text(tok_and_model: tup
 
     tok, _ = tok_and_model
     plain = longdata.make_batches(tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000)
-    mixed = longdata.make_batches(tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000,
-                                  source_lang="en", source_fraction=0.4)
+    mixed = longdata.make_batches(
+        tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000, source_lang="en", source_fraction=0.4
+    )
+
     def latin_share(ids: Any) -> float:
         text = tok.decode(ids.tolist())
         letters = re.findall(r"[A-Za-z\u0600-\u06FF]", text)
         return sum(c.isascii() for c in letters) / max(len(letters), 1)
+
     assert latin_share(plain.stream) < 0.05
     n_ar = len(mixed.stream) - int(3000 * 0.4)
-    assert torch.equal(mixed.stream[: n_ar], plain.stream[: n_ar])  # the target text is the same
+    assert torch.equal(mixed.stream[:n_ar], plain.stream[:n_ar])  # the target text is the same
     assert latin_share(mixed.stream[n_ar:]) > 0.95
     assert len(mixed.stream) == len(plain.stream)
-    same = longdata.make_batches(tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000, source_lang="ar",
-                                 source_fraction=0.4)
+    same = longdata.make_batches(
+        tok, corpus, "ar", 64, 2, 0.0, seed=1, max_stream_tokens=3000, source_lang="ar", source_fraction=0.4
+    )
     assert torch.equal(same.stream, plain.stream)  # the target language is not its own source
 
 
 def test_other_language_check_scores_the_requested_tokens(tok_and_model: tuple[Any, Any], corpus: Any) -> None:
     """The other language's short-context ratio is read from enough text to mean something."""
-    from context_ext.extend import eval_data, resolve
     from context_ext.stages import YarnParams
+    from context_ext.yarn_stage import eval_data, resolve
     from tests.context_ext.test_scaling import llama_config_dict
 
     tok, _ = tok_and_model

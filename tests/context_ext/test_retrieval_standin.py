@@ -72,8 +72,9 @@ def test_passkey_rows_use_training_keys_and_depths_only(tiny_artifact: Path, tok
 def test_row_mix_is_reproducible_and_mixes(tok: Any) -> None:
     mod = _standin()
     fmt = passkey.PasskeyFormat(tok)
-    mix = mod.RowMix(fmt, list(range(2000, 2400)), list(range(3000, 3400)), mod.digit_ids(tok),
-                     [64, 128], 1024, 0.3, 0.2, seed=1)
+    mix = mod.RowMix(
+        fmt, list(range(2000, 2400)), list(range(3000, 3400)), mod.digit_ids(tok), [64, 128], 1024, 0.3, 0.2, seed=1
+    )
     a, b = mix(7), mix(7)
     assert (a["input_ids"] == b["input_ids"]).all() and (a["loss_weights"] == b["loss_weights"]).all()
     kinds = {"digit": 0, "corpus": 0, "passkey": 0}
@@ -101,9 +102,28 @@ def test_writes_a_loadable_standin_with_its_curve(tiny_artifact: Path, tmp_path:
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "standin"
-    _standin().main(["--model", str(tiny_artifact), "--out", str(out), "--steps", "2", "--eval-every", "1",
-                     "--trials", "5", "--lengths", "64", "--tokens", "128", "--collections", "bukhari",
-                     "--threads", "1"])
+    _standin().main(
+        [
+            "--model",
+            str(tiny_artifact),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--trials",
+            "5",
+            "--lengths",
+            "64",
+            "--tokens",
+            "128",
+            "--collections",
+            "bukhari",
+            "--threads",
+            "1",
+        ]
+    )
     report = json.loads((out / "retrieval_standin.json").read_text())
     assert [c["step"] for c in report["curve"]] == [1, 2]
     assert all(0.0 <= c["passkey_at_context"] <= 1.0 for c in report["curve"])

@@ -46,7 +46,9 @@ def _random_params(rng: random.Random, kind: str) -> tuple[dict[str, Any], int, 
     return params, head_dim, max_pos
 
 
-def _reference(params: dict[str, Any], head_dim: int, max_pos: int, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def _reference(
+    params: dict[str, Any], head_dim: int, max_pos: int, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
     cfg = LlamaConfig(
         hidden_size=head_dim * 4,
         num_attention_heads=4,
@@ -85,8 +87,12 @@ def test_yarn_function_defaults_are_the_papers() -> None:
     for _ in range(50):
         dim, theta = rng.choice([32, 64, 128]), 10 ** rng.uniform(3, 6)
         factor, original = rng.uniform(1.5, 32), rng.choice([256, 4096])
-        params = {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
-                  "original_max_position_embeddings": original}
+        params = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": factor,
+            "original_max_position_embeddings": original,
+        }
         ours = rope.yarn(dim, theta, factor, original)
         _close(ours, _reference(params, dim, int(original * factor)))
         assert ours[1] == pytest.approx(0.1 * math.log(factor) + 1)

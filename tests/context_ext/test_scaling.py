@@ -50,7 +50,9 @@ def test_transformers_reads_the_written_scaling(method: str, dynamic: bool, tmp_
     expected = {
         "yarn": rope.yarn(head_dim, 10000.0, 4.0, 256),
         "linear": rope.linear_inv_freq(head_dim, 10000.0, 4.0),
-        "ntk": rope.dynamic_ntk_inv_freq(head_dim, 10000.0, 4.0, 256) if dynamic else rope.ntk_inv_freq(head_dim, 10000.0, 4.0),
+        "ntk": rope.dynamic_ntk_inv_freq(head_dim, 10000.0, 4.0, 256)
+        if dynamic
+        else rope.ntk_inv_freq(head_dim, 10000.0, 4.0),
     }[method]
     torch.testing.assert_close(inv, expected[0], atol=1e-6, rtol=1e-6)
     assert scale == pytest.approx(expected[1])
@@ -72,10 +74,20 @@ def test_every_loader_derives_original_times_factor_once(method: str, dynamic: b
 
 
 def test_yarn_writes_the_transformers5_layout_with_options() -> None:
-    cfg = scaling.scaled_config(llama_config_dict(max_pos=256), "yarn", 4.0,
-                                yarn_options={"beta_fast": 16.0, "beta_slow": None, "attention_factor": 1.2})
-    assert cfg["rope_parameters"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
-                                      "rope_theta": 10000.0, "beta_fast": 16.0, "attention_factor": 1.2}
+    cfg = scaling.scaled_config(
+        llama_config_dict(max_pos=256),
+        "yarn",
+        4.0,
+        yarn_options={"beta_fast": 16.0, "beta_slow": None, "attention_factor": 1.2},
+    )
+    assert cfg["rope_parameters"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+        "beta_fast": 16.0,
+        "attention_factor": 1.2,
+    }
     assert cfg["max_position_embeddings"] == 1024
 
 
@@ -91,7 +103,7 @@ def test_factor_of_one_or_less_is_refused() -> None:
 
 
 def test_original_longer_than_target_is_refused() -> None:
-    from context_ext.extend import resolve
+    from context_ext.yarn_stage import resolve
     from warsha.schema import from_dict
 
     problems: list[str] = []
@@ -141,8 +153,13 @@ def test_foreign_scaled_checkpoint_is_refused() -> None:
     with pytest.raises(ValueError, match="rope_type 'linear', factor 4"):
         scaling.scaled_config(cfg, "yarn", 2.0)
     llama3 = llama_config_dict(max_pos=8192)
-    llama3["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
-                                 "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0}
+    llama3["rope_parameters"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "rope_theta": 5e5,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
     with pytest.raises(ValueError, match="scaled by 'llama3'"):
         scaling.scaled_config(llama3, "yarn", 2.0, compose=True)

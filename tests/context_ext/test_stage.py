@@ -14,9 +14,20 @@ from tests.conftest import tiny_recipe
 from tests.context_ext.conftest import llama_config_dict, make_ctx
 
 FAST = {
-    "factor": 2.0, "steps": 3, "batch_size": 2, "checkpoint_every": 2, "bf16": False, "lr": 1e-3,
-    "min_trials": 10, "max_trials": 10, "eval_multiples": [1.0, 2.0, 4.0], "ppl_documents": 1,
-    "baselines": ["none", "ntk"], "finetune_baselines": ["linear"], "lang": "en", "source_fraction": 0.3,
+    "factor": 2.0,
+    "steps": 3,
+    "batch_size": 2,
+    "checkpoint_every": 2,
+    "bf16": False,
+    "lr": 1e-3,
+    "min_trials": 10,
+    "max_trials": 10,
+    "eval_multiples": [1.0, 2.0, 4.0],
+    "ppl_documents": 1,
+    "baselines": ["none", "ntk"],
+    "finetune_baselines": ["linear"],
+    "lang": "en",
+    "source_fraction": 0.3,
 }
 
 
@@ -48,8 +59,12 @@ def test_output_loads_and_generates_with_transformers(extended: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(extended).eval()
     tok = AutoTokenizer.from_pretrained(extended)
     cfg = json.loads((extended / "config.json").read_text())
-    assert cfg["rope_parameters"] == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
-                                      "rope_theta": 10000.0}
+    assert cfg["rope_parameters"] == {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    }
     assert cfg["max_position_embeddings"] == 128 and "rope_scaling" not in cfg
     assert json.loads((extended / "tokenizer_config.json").read_text())["model_max_length"] == 128
     emb = model.model.rotary_emb
@@ -69,7 +84,7 @@ def test_metrics_table_and_plot(extended: Path) -> None:
     m = artifacts.read_manifest(extended)["metrics"]
     assert set(m["results"]) == {"none", "NTK", "YaRN+ft", "PI+ft"}
     assert m["lengths"] == [64, 128, 256] and m["short_lengths"] == [32, 64]
-    for name, r in m["results"].items():
+    for r in m["results"].values():
         for n in ("64", "128", "256"):
             cell = r["passkey"][n]
             assert cell["trials"] == 10 and 0 <= cell["ci95"][0] <= cell["accuracy"] <= cell["ci95"][1] <= 1
@@ -92,8 +107,8 @@ def test_fine_tune_changes_weights_and_resumes_from_finished_copy(
     """A rerun in the same checkpoint dir reuses the finished fine-tune instead of retraining."""
     from transformers import AutoModelForCausalLM
 
-    from context_ext.extend import finetune, resolve
     from context_ext.stages import YarnParams
+    from context_ext.yarn_stage import finetune, resolve
 
     base = AutoModelForCausalLM.from_pretrained(tiny_artifact)
     tuned = AutoModelForCausalLM.from_pretrained(extended)
@@ -116,8 +131,8 @@ def test_fine_tune_changes_weights_and_resumes_from_finished_copy(
 def test_bad_inputs_fail_before_any_work(tmp_path: Path, corpus: Any) -> None:
     from transformers import GPT2Config
 
-    from context_ext.extend import run
     from context_ext.stages import YarnParams
+    from context_ext.yarn_stage import run
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
@@ -140,8 +155,10 @@ def test_recipe_validation_reports_bad_params() -> None:
 
     for params, problem in (
         ({"factor": 0.5}, "stages[1].params.factor: must be > 1.0, got 0.5"),
-        ({"original_max_position_embeddings": 512, "target_length": 256},
-         "stages[1].params.target_length: must be >= original_max_position_embeddings 512, got 256"),
+        (
+            {"original_max_position_embeddings": 512, "target_length": 256},
+            "stages[1].params.target_length: must be >= original_max_position_embeddings 512, got 256",
+        ),
         ({"method": "rope"}, "stages[1].params.method: must be one of 'yarn' | 'linear' | 'ntk', got 'rope'"),
     ):
         raw = tiny_recipe()

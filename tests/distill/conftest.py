@@ -46,8 +46,9 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, corpus: Any) -> Path
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     texts = corpus.texts("ar", "train")[:200] + corpus.texts("en", "train")[:200]
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -60,9 +61,17 @@ def tiny_config(vocab: int, layers: int = 4, hidden: int = 64) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rope_parameters=dict(YARN), bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters=dict(YARN),
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
 
 
@@ -128,9 +137,18 @@ def make_ctx(tmp_path: Path, model_dir: Path, corpus: Any = None) -> Any:
     out = tmp_path / "out"
     out.mkdir(parents=True)
     return StageContext(
-        stage="distill.draft", stage_id="draft", recipe=recipe, out_dir=out, inputs={"model": model_dir},
-        input_manifests={"model": None}, checkpoint_dir=tmp_path / "ckpt", tracker=Tracker(), device="cpu",
-        seed=0, log=logging.getLogger("test"), _corpus=corpus,
+        stage="distill.draft",
+        stage_id="draft",
+        recipe=recipe,
+        out_dir=out,
+        inputs={"model": model_dir},
+        input_manifests={"model": None},
+        checkpoint_dir=tmp_path / "ckpt",
+        tracker=Tracker(),
+        device="cpu",
+        seed=0,
+        log=logging.getLogger("test"),
+        _corpus=corpus,
     )
 
 

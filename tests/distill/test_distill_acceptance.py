@@ -1,4 +1,4 @@
-"""warsha.acceptance against independent references: series sums, brute-force float64 loops,
+"""warsha.speculative against independent references: series sums, brute-force float64 loops,
 full-recompute greedy decoding, and Monte-Carlo frequencies of the rejection sampler."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from warsha import acceptance as acc
+from warsha import speculative as acc
 
 
 def test_expected_length_is_the_geometric_series() -> None:
@@ -114,7 +114,9 @@ def test_first_position_acceptance_matches_analytic(pair: tuple[Any, Any], token
     assert 0.05 < np.mean(analytic) < 0.95  # a pair that disagrees often enough to test
 
 
-def test_per_position_acceptance_matches_analytic_on_visited(pair: tuple[Any, Any], tokenizer: Any, corpus: Any) -> None:
+def test_per_position_acceptance_matches_analytic_on_visited(
+    pair: tuple[Any, Any], tokenizer: Any, corpus: Any
+) -> None:
     target, draft = pair
     prompts = _prompts(tokenizer, corpus, 12, 8)
     stats = acc.empirical_acceptance(target, draft, prompts, ks=[3], temperature=1.0, max_new_tokens=200)[3]

@@ -48,7 +48,7 @@ def test_zero_at_equality_and_gradients_flow(kind: str) -> None:
 
 
 def test_tvd_is_one_minus_acceptance() -> None:
-    from warsha.acceptance import overlap, probs
+    from warsha.speculative import overlap, probs
 
     s, t = torch.randn(4, 40), torch.randn(4, 40)
     tvd = token_divergence(s, teacher_logprobs(t, 1.0), "tvd")

@@ -106,8 +106,9 @@ def test_foreign_draft_refused_before_any_work(tmp_path: Path, ctx_factory: Any,
 
 
 def test_larger_draft_warns_in_the_stage(tmp_path: Path, ctx_factory: Any) -> None:
-    from distill.run import build_draft
     from transformers import AutoModelForCausalLM
+
+    from distill.run import build_draft
 
     ctx = ctx_factory(tmp_path)
     target = AutoModelForCausalLM.from_pretrained(ctx.model_dir)
@@ -138,6 +139,11 @@ def test_bad_params_are_reported_by_path(over: dict[str, Any], needle: str) -> N
 
 def test_stages_module_imports_without_torch() -> None:
     code = "import sys, distill.stages; print('torch' in sys.modules, 'transformers' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.stdout.strip() == "False False"

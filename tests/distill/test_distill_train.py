@@ -14,7 +14,7 @@ from distill.data import build_pools, encode_docs, off_policy_batch, on_policy_b
 from distill.draft import layer_subset
 from distill.losses import compress_topk, expand_topk, teacher_logprobs
 from distill.train import DistillSpec, TopkCache, distill_batches, distill_loss, train_or_load
-from warsha.acceptance import analytic_acceptance
+from warsha.speculative import analytic_acceptance
 from warsha.training import TrainParams
 
 
@@ -41,8 +41,9 @@ def test_pools_and_batches_are_deterministic(pools: Any, target: Any) -> None:
 
 
 @pytest.mark.parametrize("loss", ["fkl", "tvd"])
-def test_distillation_raises_acceptance(tmp_path: Path, target: Any, tokenizer: Any, corpus: Any,
-                                        pools: Any, ctx_factory: Any, loss: str) -> None:
+def test_distillation_raises_acceptance(
+    tmp_path: Path, target: Any, tokenizer: Any, corpus: Any, pools: Any, ctx_factory: Any, loss: str
+) -> None:
     teacher = copy.deepcopy(target).to(torch.bfloat16).requires_grad_(False)
     init = layer_subset(target, [0])
     held = _held_out(tokenizer, corpus)
@@ -51,9 +52,14 @@ def test_distillation_raises_acceptance(tmp_path: Path, target: Any, tokenizer: 
     student = copy.deepcopy(init).train()
     params = TrainParams(steps=25, batch_size=8, seq_len=48, lr=3e-3, warmup_steps=2, checkpoint_every=100)
     ctx = ctx_factory(tmp_path)
-    trained, summary = train_or_load(ctx, "distill", student, params,
-                                     distill_batches(student, teacher, pools, spec, 8, 0),
-                                     distill_loss(teacher, spec))
+    trained, summary = train_or_load(
+        ctx,
+        "distill",
+        student,
+        params,
+        distill_batches(student, teacher, pools, spec, 8, 0),
+        distill_loss(teacher, spec),
+    )
     after = analytic_acceptance(target, trained.float().eval(), held)
     assert summary["loss_last"] < summary["loss_first"]
     assert after["t1"] > before["t1"] + 0.02, (before, after)

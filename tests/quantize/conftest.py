@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from tests.quantize.quant_fixtures import FakeContext, make_tokenizer, synthetic_docs, tiny_model
 
 
@@ -34,7 +35,10 @@ def corpus() -> Any:
     """A two-language corpus with train/validation splits decided by id hash."""
     from warsha.data import Corpus, DataConfig
 
-    docs = {lang: [(f"{lang}:{i}", t) for i, t in enumerate(synthetic_docs(lang, 400, 7 + k))] for k, lang in enumerate(("ar", "en"))}
+    docs = {
+        lang: [(f"{lang}:{i}", t) for i, t in enumerate(synthetic_docs(lang, 400, 7 + k))]
+        for k, lang in enumerate(("ar", "en"))
+    }
     cfg = DataConfig(validation_fraction=0.1, test_fraction=0.05)
     return Corpus(docs=docs, pairs=[], config=cfg, normalisation="nfc+whitespace")
 

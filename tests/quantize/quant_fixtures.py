@@ -1,6 +1,7 @@
 """Helpers for the quantize tests (a uniquely named module, so that tests can import it
-without clashing with other packages' conftest.py): tiny random Llama models (some with outlier input channels), a tiny BPE tokenizer
-trained in-process, a synthetic two-language corpus and a minimal stage context."""
+without clashing with other packages' conftest.py): tiny random Llama models (some with outlier
+input channels), a tiny BPE tokenizer trained in-process, a synthetic two-language corpus and a
+minimal stage context."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 AR_LETTERS = "ابتثجحخدذرزسشصضطظعغفقكلمنهوي"
-EN_WORDS = ("the prophet said that whoever prays at night and gives charity will be rewarded by god on the day of"
-            " judgement narrated from his father about fasting water bread house city journey").split()
+EN_WORDS = (
+    "the prophet said that whoever prays at night and gives charity will be rewarded by god on the day of"
+    " judgement narrated from his father about fasting water bread house city journey"
+).split()
 
 
 def synthetic_docs(lang: str, n: int, seed: int) -> list[str]:
@@ -36,22 +38,33 @@ def make_tokenizer(out_dir: Path) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<s>", "</s>", "<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(synthetic_docs("ar", 300, 1) + synthetic_docs("en", 300, 2), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out_dir)
     return fast
 
 
-def tiny_config(vocab: int = 640, kv_heads: int = 4, hidden: int = 128, inter: int = 256, model_type: str = "llama") -> Any:
+def tiny_config(
+    vocab: int = 640, kv_heads: int = 4, hidden: int = 128, inter: int = 256, model_type: str = "llama"
+) -> Any:
     """2 decoder layers; hidden/intermediate divisible by 32 and 64."""
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
-        model_type, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1,
+        model_type,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
     )
 
 

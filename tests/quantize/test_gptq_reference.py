@@ -49,7 +49,9 @@ def brute_force_gptq(w: torch.Tensor, x: torch.Tensor, bits: int, gs: int, damp:
 def _layer_inputs(n: int, d: int, seed: int) -> torch.Tensor:
     """Correlated inputs with a few large channels, like a real layer's activations."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g) @ (torch.randn(d, d, generator=g) / d**0.5) + 0.1 * torch.randn(n, d, generator=g)
+    x = torch.randn(n, d, generator=g) @ (torch.randn(d, d, generator=g) / d**0.5) + 0.1 * torch.randn(
+        n, d, generator=g
+    )
     x[:, :3] *= 8
     return x
 

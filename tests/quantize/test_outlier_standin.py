@@ -84,7 +84,8 @@ def test_refuses_to_overwrite_an_existing_output(tmp_path: Path) -> None:
     out = tmp_path / "exists"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    run = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--out", str(out)],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", str(tmp_path), "--out", str(out)], capture_output=True, text=True
+    )
     assert run.returncode != 0 and "--out" in run.stderr and "exists" in run.stderr
     assert (out / "keep.txt").read_text() == "mine"

@@ -117,7 +117,9 @@ def test_gptq_gives_up_with_a_clear_error() -> None:
     h = -torch.eye(32)
     h[0, 0] = 5.0
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj: the Hessian is not positive definite"):
-        gptq_quantize(torch.randn(4, 32), h, QuantSpec(4, 32, True), GPTQOptions(), name="model.layers.0.self_attn.q_proj")
+        gptq_quantize(
+            torch.randn(4, 32), h, QuantSpec(4, 32, True), GPTQOptions(), name="model.layers.0.self_attn.q_proj"
+        )
 
 
 def test_awq_scale_folding_preserves_float_output() -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from tests.quantize.quant_fixtures import tiny_model
 
 from quantize.arch import arch_for, supported_model_types
 from quantize.awq import AWQOptions
@@ -29,6 +28,7 @@ from quantize.layerwise import (
     rtn_method,
 )
 from quantize.quantizer import QuantSpec
+from tests.quantize.quant_fixtures import tiny_model
 
 ARCH = arch_for("llama")
 
@@ -37,8 +37,15 @@ def _ids(seed: int, n: int = 8, t: int = 48, vocab: int = 640) -> torch.Tensor:
     return torch.randint(2, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _quantize(model: Any, method: str, spec: QuantSpec, fmt: str = "gptq", on_bad: str = "error",
-              alphas: dict | None = None, **opts: Any) -> tuple[dict, Any]:
+def _quantize(
+    model: Any,
+    method: str,
+    spec: QuantSpec,
+    fmt: str = "gptq",
+    on_bad: str = "error",
+    alphas: dict | None = None,
+    **opts: Any,
+) -> tuple[dict, Any]:
     arch = arch_for(model.config.model_type)
     plan = plan_layers(model, arch, spec, fmt, on_bad)
     calib = None if method == "rtn" else capture_layer0(model, arch, _ids(1), 4, "cpu", torch.float32)
@@ -81,7 +88,16 @@ def test_awq_beats_rtn(errors: dict[str, float]) -> None:
     assert errors["awq"] < errors["rtn"]
 
 
-def _roundtrip(model: Any, quantized: dict, plan: Any, tmp_path: Path, fmt: str, spec: QuantSpec, src: Path, extra: dict | None = None) -> None:
+def _roundtrip(
+    model: Any,
+    quantized: dict,
+    plan: Any,
+    tmp_path: Path,
+    fmt: str,
+    spec: QuantSpec,
+    src: Path,
+    extra: dict | None = None,
+) -> None:
     """Export, load back through the dequant reference, compare logits with the fake-quant model."""
     qc = quantization_config(fmt, spec.bits, spec.group_size, spec.sym, sorted(plan.skipped), extra or {})
     export(model, quantized, src, tmp_path / "q", qc)
@@ -90,13 +106,18 @@ def _roundtrip(model: Any, quantized: dict, plan: Any, tmp_path: Path, fmt: str,
     assert torch.equal(_logits(loaded, ids), _logits(model, ids))
 
 
-@pytest.mark.parametrize("method,fmt,bits,opts", [
-    ("gptq", "gptq", 4, {"act_order": True, "static_groups": False}),
-    ("awq", "awq", 4, {}),
-    ("awq", "gptq", 4, {}),
-    ("rtn", "gptq", 3, {}),
-])
-def test_dequantized_export_equals_fake_quantized_model(tmp_path: Path, method: str, fmt: str, bits: int, opts: dict) -> None:
+@pytest.mark.parametrize(
+    "method,fmt,bits,opts",
+    [
+        ("gptq", "gptq", 4, {"act_order": True, "static_groups": False}),
+        ("awq", "awq", 4, {}),
+        ("awq", "gptq", 4, {}),
+        ("rtn", "gptq", 3, {}),
+    ],
+)
+def test_dequantized_export_equals_fake_quantized_model(
+    tmp_path: Path, method: str, fmt: str, bits: int, opts: dict
+) -> None:
     model = tiny_model(seed=1)
     model.save_pretrained(tmp_path / "src")
     spec = QuantSpec(bits, 32, False)
@@ -104,7 +125,9 @@ def test_dequantized_export_equals_fake_quantized_model(tmp_path: Path, method: 
     _roundtrip(model, quantized, plan, tmp_path, fmt, spec, tmp_path / "src", {"desc_act": bool(opts.get("act_order"))})
     qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == fmt and qc["bits"] == bits and qc["group_size"] == 32
-    names = set(__import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "q" / "model.safetensors")))
+    names = set(
+        __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "q" / "model.safetensors"))
+    )
     assert "model.layers.0.mlp.down_proj.qweight" in names and "model.layers.0.mlp.down_proj.weight" not in names
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
 
@@ -123,7 +146,9 @@ def test_other_families_round_trip(tmp_path: Path, model_type: str, kv_heads: in
     quantized, plan = _quantize(model, "awq", spec, "awq", alphas=alphas)
     assert len(quantized) == 14
     feeders = {k.split(".", 3)[3] for k in alphas}
-    expect = {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"} | ({"self_attn.v_proj"} if kv_heads == 4 else set())
+    expect = {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"} | (
+        {"self_attn.v_proj"} if kv_heads == 4 else set()
+    )
     assert feeders == expect  # v -> o only where v's output width equals o's input width
     _roundtrip(model, quantized, plan, tmp_path, "awq", spec, tmp_path / "src")
 
@@ -136,7 +161,11 @@ def test_unknown_architecture_is_refused() -> None:
 
 def test_bad_group_size_names_the_layers() -> None:
     model = tiny_model(seed=3, inter=96)  # down_proj has 96 inputs: group 64 does not divide it
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: group_size 64 does not divide in_features 96.*model\.layers\.1\.mlp\.down_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.down_proj: group_size 64 does not divide in_features 96"
+        r".*model\.layers\.1\.mlp\.down_proj",
+    ):
         plan_layers(model, ARCH, QuantSpec(4, 64, True), "gptq", "error")
 
 

@@ -62,7 +62,9 @@ def test_three_bit_matches_autogptq_word_layout() -> None:
 
 def _random_ql(bits: int, sym: bool, out_f: int = 24, in_f: int = 64, gs: int = 32):
     g = torch.Generator().manual_seed(bits * 10 + sym)
-    return quantize_rtn(torch.randn(out_f, in_f, generator=g), QuantSpec(bits, gs, sym), torch.randn(out_f, generator=g))
+    return quantize_rtn(
+        torch.randn(out_f, in_f, generator=g), QuantSpec(bits, gs, sym), torch.randn(out_f, generator=g)
+    )
 
 
 @pytest.mark.parametrize("bits,sym", [(4, True), (4, False), (3, False), (8, True)])
@@ -129,10 +131,21 @@ def test_quantization_config_carries_the_keys_loaders_read() -> None:
 
     gptq = quantization_config("gptq", 4, 128, True, [], {"desc_act": True, "static_groups": True})
     assert {k: gptq[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == {
-        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True, "checkpoint_format": "gptq"}
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": True,
+        "sym": True,
+        "checkpoint_format": "gptq",
+    }
     assert "dynamic" not in gptq and gptq["modules_to_not_convert"] is None
     awq = quantization_config("awq", 4, 64, False, ["model.layers.0.mlp.down_proj"], {})
     assert {k: awq[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {
-        "quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 64, "zero_point": True}
+        "quant_method": "awq",
+        "version": "gemm",
+        "bits": 4,
+        "group_size": 64,
+        "zero_point": True,
+    }
     assert awq["modules_to_not_convert"] == ["model.layers.0.mlp.down_proj"]
     assert list(awq["dynamic"]) == [r"-:^model\.layers\.0\.mlp\.down_proj$"]  # gptqmodel reads only this

@@ -34,12 +34,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PEER_PYTHON = Path(os.environ.get("WARSHA_PEER_PYTHON", "/work/venvs/peers/bin/python"))
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not PEER_PYTHON.is_file(), reason=f"peer venv absent ({PEER_PYTHON}): create it with"
-                       " `bash benchmarks/peers/make_venv.sh` (torch 2.13.0 CPU, llmcompressor 0.14.0.1, gptqmodel 7.6.0)"),
+    pytest.mark.skipif(
+        not PEER_PYTHON.is_file(),
+        reason=f"peer venv absent ({PEER_PYTHON}): create it with"
+        " `bash benchmarks/peers/make_venv.sh` (torch 2.13.0 CPU, llmcompressor 0.14.0.1, gptqmodel 7.6.0)",
+    ),
 ]
 
 
-def _export(model_dir: Path, out: Path, method: str, fmt: str, spec: QuantSpec, on_bad: str = "error", **opts: Any) -> Path:
+def _export(
+    model_dir: Path, out: Path, method: str, fmt: str, spec: QuantSpec, on_bad: str = "error", **opts: Any
+) -> Path:
     """Quantize the saved tiny model with Warsha and write the checkpoint."""
     from transformers import AutoModelForCausalLM
 
@@ -51,20 +56,41 @@ def _export(model_dir: Path, out: Path, method: str, fmt: str, spec: QuantSpec, 
     fn = gptq_method(arch, spec, GPTQOptions(**opts)) if method == "gptq" else awq_method(arch, spec, AWQOptions(), {})
     quantized = quantize_layers(model, arch, plan, fn, calib, "cpu", method)
     extra = {"desc_act": bool(opts.get("act_order")), "static_groups": opts.get("static_groups", True)}
-    export(model, quantized, model_dir, out, quantization_config(fmt, spec.bits, spec.group_size, spec.sym, sorted(plan.skipped), extra))
+    export(
+        model,
+        quantized,
+        model_dir,
+        out,
+        quantization_config(fmt, spec.bits, spec.group_size, spec.sym, sorted(plan.skipped), extra),
+    )
     return out
 
 
-@pytest.mark.parametrize("method,fmt,sym,opts", [
-    ("gptq", "gptq", True, {}),
-    ("gptq", "gptq", True, {"act_order": True, "static_groups": False}),  # a permuted g_idx
-    ("awq", "awq", False, {}),
-])
-def test_gptqmodel_reads_every_code(model_dir: Path, tmp_path: Path, method: str, fmt: str, sym: bool, opts: dict) -> None:
+@pytest.mark.parametrize(
+    "method,fmt,sym,opts",
+    [
+        ("gptq", "gptq", True, {}),
+        ("gptq", "gptq", True, {"act_order": True, "static_groups": False}),  # a permuted g_idx
+        ("awq", "awq", False, {}),
+    ],
+)
+def test_gptqmodel_reads_every_code(
+    model_dir: Path, tmp_path: Path, method: str, fmt: str, sym: bool, opts: dict
+) -> None:
     export_dir = _export(model_dir, tmp_path / "q", method, fmt, QuantSpec(4, 32, sym), **opts)
     report_path = tmp_path / "report.json"
-    res = subprocess.run([str(PEER_PYTHON), str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"), str(export_dir),
-                          "--out", str(report_path)], capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [
+            str(PEER_PYTHON),
+            str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"),
+            str(export_dir),
+            "--out",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert report_path.is_file(), res.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["weights"]["linears"] == 14
@@ -76,7 +102,9 @@ def test_gptqmodel_reads_every_code(model_dir: Path, tmp_path: Path, method: str
 
 
 @pytest.mark.parametrize("method,fmt,sym", [("gptq", "gptq", True), ("awq", "awq", False)])
-def test_gptqmodel_keeps_fallback_linears_in_float(model_dir: Path, tmp_path: Path, method: str, fmt: str, sym: bool) -> None:
+def test_gptqmodel_keeps_fallback_linears_in_float(
+    model_dir: Path, tmp_path: Path, method: str, fmt: str, sym: bool
+) -> None:
     """down_proj with 96 inputs cannot take group 64: it stays float, and GPTQModel must see that."""
     import shutil
 
@@ -84,11 +112,23 @@ def test_gptqmodel_keeps_fallback_linears_in_float(model_dir: Path, tmp_path: Pa
 
     src = tmp_path / "src"
     shutil.copytree(model_dir, src)
-    tiny_model(seed=3, inter=96, vocab=json.loads((model_dir / "config.json").read_text())["vocab_size"]).save_pretrained(src)
+    tiny_model(
+        seed=3, inter=96, vocab=json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    ).save_pretrained(src)
     export_dir = _export(src, tmp_path / "q", method, fmt, QuantSpec(4, 64, sym), on_bad="fallback")
     report_path = tmp_path / "report.json"
-    res = subprocess.run([str(PEER_PYTHON), str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"), str(export_dir),
-                          "--out", str(report_path)], capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [
+            str(PEER_PYTHON),
+            str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"),
+            str(export_dir),
+            "--out",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     report = json.loads(report_path.read_text())
     assert report["ok"] and res.returncode == 0, report.get("error")
     assert report["weights"]["linears"] == 12 and report["weights"]["max_steps"] < 0.5
@@ -100,8 +140,18 @@ def test_gptqmodel_refuses_asymmetric_gptq_v1_from_other_tools(model_dir: Path, 
     keeps zeros >= 1, FORMAT.md). Asymmetric Warsha models go to GPTQModel in the AWQ layout."""
     export_dir = _export(model_dir, tmp_path / "q", "gptq", "gptq", QuantSpec(4, 32, False))
     report_path = tmp_path / "report.json"
-    res = subprocess.run([str(PEER_PYTHON), str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"), str(export_dir),
-                          "--out", str(report_path)], capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [
+            str(PEER_PYTHON),
+            str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"),
+            str(export_dir),
+            "--out",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     report = json.loads(report_path.read_text())
     assert res.returncode == 1 and not report["ok"]
     assert "sym=False model with format=FORMAT.GPTQ is only supported if produced by gptqmodel" in report["error"]
@@ -109,10 +159,29 @@ def test_gptqmodel_refuses_asymmetric_gptq_v1_from_other_tools(model_dir: Path, 
 
 def test_llmcompressor_driver_quantizes_on_cpu(model_dir: Path, tmp_path: Path) -> None:
     job = tmp_path / "job.pt"
-    torch.save({"model": str(model_dir), "calib": torch.randint(3, 600, (4, 32), generator=torch.Generator().manual_seed(0)),
-                "bits": 4, "group_size": 32, "methods": ["gptq", "awq"], "ignore": [], "threads": 1}, job)
-    res = subprocess.run([str(PEER_PYTHON), str(ROOT / "benchmarks" / "peers" / "llmcompressor_quant.py"), str(job),
-                          str(tmp_path / "lc")], capture_output=True, text=True, timeout=900)
+    torch.save(
+        {
+            "model": str(model_dir),
+            "calib": torch.randint(3, 600, (4, 32), generator=torch.Generator().manual_seed(0)),
+            "bits": 4,
+            "group_size": 32,
+            "methods": ["gptq", "awq"],
+            "ignore": [],
+            "threads": 1,
+        },
+        job,
+    )
+    res = subprocess.run(
+        [
+            str(PEER_PYTHON),
+            str(ROOT / "benchmarks" / "peers" / "llmcompressor_quant.py"),
+            str(job),
+            str(tmp_path / "lc"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads((tmp_path / "lc" / "result.json").read_text())
     from transformers import AutoModelForCausalLM
@@ -134,15 +203,36 @@ def test_gptq_solver_equals_llmcompressors(tmp_path: Path, group_size: int, in_f
 
     g = torch.Generator().manual_seed(group_size)
     w = torch.randn(48, in_f, generator=g)
-    x = torch.randn(1024, in_f, generator=g) @ (torch.eye(in_f) + 0.3 * torch.randn(in_f, in_f, generator=g) / in_f**0.5)
+    x = torch.randn(1024, in_f, generator=g) @ (
+        torch.eye(in_f) + 0.3 * torch.randn(in_f, in_f, generator=g) / in_f**0.5
+    )
     x[:, :3] *= 20  # outlier channels: act-order moves them first
     h = 2 * x.t() @ x / x.shape[0]
     spec = QuantSpec(4, group_size, True)
     scale = find_params(w.reshape(-1, group_size), spec)[0].reshape(w.shape[0], -1)
-    torch.save({"weight": w, "hessian": h, "scale": scale, "bits": 4, "group_size": group_size, "damp": 0.01,
-                "actorder": "static"}, tmp_path / "in.pt")
-    res = subprocess.run([str(PEER_PYTHON), str(ROOT / "benchmarks" / "peers" / "llmcompressor_gptq_layer.py"),
-                          str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=600)
+    torch.save(
+        {
+            "weight": w,
+            "hessian": h,
+            "scale": scale,
+            "bits": 4,
+            "group_size": group_size,
+            "damp": 0.01,
+            "actorder": "static",
+        },
+        tmp_path / "in.pt",
+    )
+    res = subprocess.run(
+        [
+            str(PEER_PYTHON),
+            str(ROOT / "benchmarks" / "peers" / "llmcompressor_gptq_layer.py"),
+            str(tmp_path / "in.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     peer = torch.load(tmp_path / "out.pt")
     assert not peer["rtn_fallback"]

@@ -18,7 +18,11 @@ CALIB = {"n_samples": 8, "seq_len": 48, "batch_size": 4}
 
 
 def test_registry_and_fast_import() -> None:
-    assert {k: v.name for k, v in STAGES.items()} == {"awq": "quantize.awq", "gptq": "quantize.gptq", "rtn": "quantize.rtn"}
+    assert {k: v.name for k, v in STAGES.items()} == {
+        "awq": "quantize.awq",
+        "gptq": "quantize.gptq",
+        "rtn": "quantize.rtn",
+    }
     code = "import sys, quantize.stages; print(any(m == 'torch' or m.startswith('transformers') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -48,11 +52,14 @@ def _check_artifact(out: Path, method: str) -> dict[str, Any]:
     return json.loads((out / "config.json").read_text())["quantization_config"]
 
 
-@pytest.mark.parametrize("method,params", [
-    ("gptq", GPTQParams(**SMALL, **CALIB)),
-    ("awq", AWQParams(**SMALL, **CALIB, format="gptq", n_grid=10)),
-    ("rtn", RTNParams(**SMALL, format="awq", sym=False)),
-])
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("gptq", GPTQParams(**SMALL, **CALIB)),
+        ("awq", AWQParams(**SMALL, **CALIB, format="gptq", n_grid=10)),
+        ("rtn", RTNParams(**SMALL, format="awq", sym=False)),
+    ],
+)
 def test_stage_runs_and_reports(make_ctx: Any, method: str, params: Any) -> None:
     ctx = make_ctx(name=method)
     m = STAGES[method].run(ctx, params)
@@ -91,12 +98,16 @@ def test_stage_refuses_unknown_architecture(make_ctx: Any, tmp_path: Path) -> No
 def test_awq_and_gptq_stages_on_the_bundled_corpus(model_dir: Path, tmp_path: Path) -> None:
     """End to end on real hadith text (the demo extra), group 64, with the RTN comparison."""
     from tests.quantize.quant_fixtures import FakeContext
-
     from warsha.data import DataConfig, load_corpus
 
     corpus = load_corpus(DataConfig(collections=["bukhari"], max_documents=3000))
-    for method, params in (("awq", AWQParams(group_size=64, n_samples=16, seq_len=128, eval_documents=30, eval_max_length=128)),
-                           ("gptq", GPTQParams(group_size=64, n_samples=16, seq_len=128, eval_documents=30, eval_max_length=128, desc_act=True))):
+    for method, params in (
+        ("awq", AWQParams(group_size=64, n_samples=16, seq_len=128, eval_documents=30, eval_max_length=128)),
+        (
+            "gptq",
+            GPTQParams(group_size=64, n_samples=16, seq_len=128, eval_documents=30, eval_max_length=128, desc_act=True),
+        ),
+    ):
         ctx = FakeContext(model_dir=model_dir, out_dir=tmp_path / method, the_corpus=corpus)
         m = STAGES[method].run(ctx, params)
         assert set(m["perplexity_increase_rel"]) == {"ar", "en"}

@@ -40,11 +40,15 @@ def write_tokenizer(path: Path) -> int:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
     return tok.get_vocab_size()
 
 
-def make_model(path: Path, seed: int = 0, arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
+def make_model(
+    path: Path, seed: int = 0, arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Path:
     """Save a random tiny model (plus tokenizer) to `path` and return it."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -113,7 +117,15 @@ def spec_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A smaller draft with the same tokenizer."""
-    return make_model(tmp_path_factory.mktemp("draft"), seed=1, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    return make_model(
+        tmp_path_factory.mktemp("draft"),
+        seed=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
 
 
 def hf_model(path: Path, dtype: torch.dtype = torch.float32):

@@ -52,7 +52,11 @@ class RunningServer:
         bm = self.llm.block_manager
         while time.monotonic() < deadline:
             m = self.metrics()
-            if m["warsha_num_requests_running"] == 0 and m["warsha_num_requests_waiting"] == 0 and bm.num_free_blocks == bm.num_blocks:
+            if (
+                m["warsha_num_requests_running"] == 0
+                and m["warsha_num_requests_waiting"] == 0
+                and bm.num_free_blocks == bm.num_blocks
+            ):
                 return
             time.sleep(0.02)
         raise AssertionError(f"engine not idle after {timeout}s: free {bm.num_free_blocks}/{bm.num_blocks}")
@@ -91,7 +95,7 @@ def running_server(model_dir: Path, name: str = "tiny", **llm_kwargs: object) ->
         sock.close()
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -167,8 +171,9 @@ def test_completion_greedy_matches_generate_streamed_or_not(srv: RunningServer, 
         assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 24)
         assert r.usage.total_tokens == len(ref.prompt_token_ids) + 24
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, stream=True,
-                                           stream_options={"include_usage": True}, **GREEDY)
+        stream = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
         text, reasons, usage = stream_text(stream, chat=False)
         assert text == ref.text and reasons == ["length"]
         assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), 24)
@@ -182,8 +187,16 @@ def test_chat_uses_the_model_template_and_matches_generate(srv: RunningServer, o
     r = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=20, **GREEDY)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 20)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text, reasons, usage = stream_text(iter(chunks), chat=True)
     assert text == ref.text and reasons == ["length"] and usage.prompt_tokens == len(ids)
@@ -192,13 +205,26 @@ def test_chat_uses_the_model_template_and_matches_generate(srv: RunningServer, o
 
 def test_stop_string_cut_identically_when_streaming(srv: RunningServer, offline: LLM) -> None:
     base = offline.generate("serving engines", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].text
-    stop = next(base[i : i + 3] for i in range(len(base) // 3, len(base) - 3) if "\ufffd" not in base[i : i + 3] and base[i : i + 3].strip())
-    ref = offline.generate("serving engines", SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True))[0]
+    stop = next(
+        base[i : i + 3]
+        for i in range(len(base) // 3, len(base) - 3)
+        if "\ufffd" not in base[i : i + 3] and base[i : i + 3].strip()
+    )
+    ref = offline.generate(
+        "serving engines", SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True)
+    )[0]
     assert ref.finish_reason == "stop" and stop not in ref.text
     client = srv.client()
-    r = client.completions.create(model="tiny", prompt="serving engines", max_tokens=30, stop=[stop, "@@never@@"], **GREEDY)
+    r = client.completions.create(
+        model="tiny", prompt="serving engines", max_tokens=30, stop=[stop, "@@never@@"], **GREEDY
+    )
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
-    text, reasons, _ = stream_text(client.completions.create(model="tiny", prompt="serving engines", max_tokens=30, stop=stop, stream=True, **GREEDY), chat=False)
+    text, reasons, _ = stream_text(
+        client.completions.create(
+            model="tiny", prompt="serving engines", max_tokens=30, stop=stop, stream=True, **GREEDY
+        ),
+        chat=False,
+    )
     assert text == ref.text and reasons == ["stop"]
 
 
@@ -210,12 +236,34 @@ def test_logprobs_and_seeded_sampling(srv: RunningServer, offline: LLM) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for got, ref_entry, tok in zip(lp.token_logprobs, ref.logprobs, ref.token_ids):
         assert got == pytest.approx(ref_entry[tok], abs=1e-4)
-    assert all(len(top) <= 3 and max(top.values()) >= got - 1e-6 for top, got in zip(lp.top_logprobs, lp.token_logprobs))
-    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
+    assert all(
+        len(top) <= 3 and max(top.values()) >= got - 1e-6 for top, got in zip(lp.top_logprobs, lp.token_logprobs)
+    )
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
     content = c.choices[0].logprobs.content
-    assert len(content) == 4 and all(len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in content)
-    sampled = [client.completions.create(model="tiny", prompt="hello", max_tokens=12, temperature=1.0, seed=7,
-                                         extra_body={"ignore_eos": True, "top_k": 40}).choices[0].text for _ in range(2)]
+    assert len(content) == 4 and all(
+        len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in content
+    )
+    sampled = [
+        client.completions.create(
+            model="tiny",
+            prompt="hello",
+            max_tokens=12,
+            temperature=1.0,
+            seed=7,
+            extra_body={"ignore_eos": True, "top_k": 40},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]
 
 
@@ -226,13 +274,24 @@ def test_models_health_and_metrics(srv: RunningServer) -> None:
     before = srv.metrics()
     client.completions.create(model="tiny", prompt="the lazy dog", max_tokens=5, **GREEDY)
     m = srv.metrics()
-    for name in ("warsha_num_requests_running", "warsha_num_requests_waiting", "warsha_kv_cache_usage_ratio",
-                 "warsha_num_preemptions_total", "warsha_spec_decode_acceptance_rate", "warsha_generation_tokens_total"):
+    for name in (
+        "warsha_num_requests_running",
+        "warsha_num_requests_waiting",
+        "warsha_kv_cache_usage_ratio",
+        "warsha_num_preemptions_total",
+        "warsha_spec_decode_acceptance_rate",
+        "warsha_generation_tokens_total",
+    ):
         assert name in m, name
-    assert m["warsha_request_success_total{finished_reason=length}"] == before["warsha_request_success_total{finished_reason=length}"] + 1
+    assert (
+        m["warsha_request_success_total{finished_reason=length}"]
+        == before["warsha_request_success_total{finished_reason=length}"] + 1
+    )
     assert m["warsha_generation_tokens_total"] - before["warsha_generation_tokens_total"] == 5
     for hist in ("warsha_time_to_first_token_seconds", "warsha_time_per_output_token_seconds"):
-        buckets = sorted(((float(k.split("le=")[1].rstrip("}")), v) for k, v in m.items() if k.startswith(f"{hist}_bucket")))
+        buckets = sorted(
+            ((float(k.split("le=")[1].rstrip("}")), v) for k, v in m.items() if k.startswith(f"{hist}_bucket"))
+        )
         assert len(buckets) > 5 and buckets[-1][0] == float("inf")
         assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
         assert buckets[-1][1] == m[f"{hist}_count"] >= 1 and m[f"{hist}_sum"] > 0
@@ -246,7 +305,9 @@ def test_200_concurrent_requests_none_lost_no_leak(srv: RunningServer, offline: 
     before = srv.metrics()
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
-        kwargs = dict(model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0, extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0, extra_body={"ignore_eos": True}
+        )
         if i % 2:
             r = await client.completions.create(**kwargs)
             return r.id, r.choices[0].text, r.usage.completion_tokens
@@ -269,7 +330,11 @@ def test_200_concurrent_requests_none_lost_no_leak(srv: RunningServer, offline: 
     srv.wait_idle()
     srv.llm.block_manager.check_no_leaks()
     after = srv.metrics()
-    assert after["warsha_request_success_total{finished_reason=length}"] - before["warsha_request_success_total{finished_reason=length}"] == 200
+    assert (
+        after["warsha_request_success_total{finished_reason=length}"]
+        - before["warsha_request_success_total{finished_reason=length}"]
+        == 200
+    )
     assert after["warsha_kv_cache_free_blocks"] == NUM_KV_BLOCKS
     assert srv.llm.stats.kv_usage_peak > 0.9  # the pool, not max_num_seqs, limited concurrency
 
@@ -301,11 +366,16 @@ def test_stream_disconnect_aborts_and_frees_blocks(srv: RunningServer) -> None:
 def test_non_streaming_disconnect_aborts(srv: RunningServer) -> None:
     srv.wait_idle()
     aborted = _abort_count(srv)
-    body = json.dumps({"model": "tiny", "prompt": "the quick", "max_tokens": 480, "temperature": 0, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "prompt": "the quick", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    ).encode()
     host, port = srv.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         _wait_for(lambda: srv.metrics()["warsha_num_requests_running"] == 1, "the request to run")
     srv.wait_idle()
     assert _abort_count(srv) == aborted + 1
@@ -315,12 +385,23 @@ def test_non_streaming_disconnect_aborts(srv: RunningServer) -> None:
 def test_speculative_server_same_text_and_reports_acceptance(spec_pair: tuple[Path, Path]) -> None:
     target, draft = spec_pair
     prompts = ["the quick brown fox", "paged attention keeps"]
-    plain = LLM(target, dtype="float32").generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    plain = LLM(target, dtype="float32").generate(
+        prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
     with running_server(target, draft_dir=draft, num_speculative_tokens=3, adaptive_speculation=False) as s:
         client = s.client()
         for prompt, ref in zip(prompts, plain):
-            text, _, usage = stream_text(client.completions.create(model="tiny", prompt=prompt, max_tokens=20, stream=True,
-                                                                   stream_options={"include_usage": True}, **GREEDY), chat=False)
+            text, _, usage = stream_text(
+                client.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=20,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **GREEDY,
+                ),
+                chat=False,
+            )
             assert text == ref.text and usage.completion_tokens == 20
         m = s.metrics()
         assert m["warsha_spec_decode_num_draft_tokens_total"] > 0

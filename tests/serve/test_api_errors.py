@@ -35,7 +35,9 @@ def post(srv: RunningServer, path: str, body: object = None, content: bytes | No
     return r.status_code, r.json()
 
 
-def assert_error(status_body: tuple[int, dict], status: int, param: str | None, code: str | None = None, says: str = "") -> None:
+def assert_error(
+    status_body: tuple[int, dict], status: int, param: str | None, code: str | None = None, says: str = ""
+) -> None:
     status_got, body = status_body
     assert status_got == status, body
     err = body["error"]
@@ -81,12 +83,22 @@ def test_bad_completion_parameters(srv: RunningServer, override: dict, param: st
 @pytest.mark.parametrize(
     ("override", "param", "code", "says"),
     [
-        ({"max_completion_tokens": MAX_LEN}, "max_completion_tokens", "context_length_exceeded", "max_completion_tokens"),
+        (
+            {"max_completion_tokens": MAX_LEN},
+            "max_completion_tokens",
+            "context_length_exceeded",
+            "max_completion_tokens",
+        ),
         ({"top_logprobs": 2}, "top_logprobs", "invalid_value", "logprobs=true"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter", "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter", "json_object"),
         ({"messages": []}, "messages", "invalid_value", "at least 1"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content", "unsupported_parameter", "text parts"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content",
+            "unsupported_parameter",
+            "text parts",
+        ),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "invalid_value", "user"),
     ],
 )
@@ -107,7 +119,9 @@ def test_malformed_bodies_unknown_model_and_route(srv: RunningServer) -> None:
     r = httpx.get(f"{srv.url}/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
     # after all of that the server still answers
-    ok = srv.client().completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    ok = srv.client().completions.create(
+        model="tiny", prompt="hello", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert ok.usage.completion_tokens == 3
     srv.wait_idle()
     srv.llm.block_manager.check_no_leaks()

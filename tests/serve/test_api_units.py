@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve.api_chat import ChatTemplate, ChatTemplateError, find_template
-from serve.api_engine import IncrementalText
-from serve.api_metrics import TTFT_BUCKETS, Histogram, MetricsSnapshot, render
+from serve.api.async_engine import IncrementalText
+from serve.api.chat_template import ChatTemplate, ChatTemplateError, find_template
+from serve.api.metrics import TTFT_BUCKETS, Histogram, MetricsSnapshot, render
 from tests.serve.conftest import CORPUS, make_model, write_tokenizer
 from tests.serve.test_api import CHAT_TEMPLATE, add_chat_template, hf_chat_ids, parse_prometheus
 
@@ -31,7 +31,9 @@ def metaspace_tokenizer(path: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Metaspace()])
     alphabet = [f"<0x{i:02X}>" for i in range(256)]
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"] + alphabet))
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"] + alphabet)
+    )
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     return path / "tokenizer.json"
@@ -67,13 +69,20 @@ def test_incremental_text_equals_full_decode(tmp_path: Path, kind: str) -> None:
 
 def test_chat_template_sources_and_errors(tmp_path: Path) -> None:
     model = add_chat_template(make_model(tmp_path / "m"))
-    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "مرحبا"}]
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "مرحبا"},
+    ]
     assert ChatTemplate(model).encode(messages) == hf_chat_ids(model, messages)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     cfg["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHAT_TEMPLATE}]
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert find_template(model) == CHAT_TEMPLATE
-    strict = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    strict = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
     (model / "chat_template.jinja").write_text(strict)  # transformers 5 keeps it here; it wins
     assert find_template(model) == strict
     with pytest.raises(ChatTemplateError, match="no system role"):
@@ -101,7 +110,7 @@ def test_histogram_buckets_are_inclusive_and_cumulative() -> None:
 
 
 def test_cli_help_and_warsha_delegation(capsys: pytest.CaptureFixture[str]) -> None:
-    from serve.api_cli import build_parser
+    from serve.api.cli import build_parser
     from warsha.cli import main as warsha_main
 
     parser = build_parser()
@@ -123,8 +132,25 @@ def test_python_m_serve_end_to_end(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-m", "serve", str(model), "--port", str(port), "--served-model-name", "t",
-                             "--dtype", "float32", "--threads", "1", "--log-level", "warning"], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "t",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -134,7 +160,10 @@ def test_python_m_serve_end_to_end(tmp_path: Path) -> None:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "t", "prompt": "hello", "max_tokens": 5, "ignore_eos": True})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "t", "prompt": "hello", "max_tokens": 5, "ignore_eos": True},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     finally:
         proc.terminate()

@@ -50,7 +50,9 @@ def test_paged_matches_dense(seed: int) -> None:
     torch.manual_seed(seed)
     heads, kv_heads = rng.choice([(4, 4), (4, 2), (8, 2), (6, 1)])
     dim, block_size = rng.choice([16, 32]), rng.choice([1, 4, 16])
-    q, kc, vc, chunks, dense = random_case(rng, heads, kv_heads, dim, block_size, num_blocks=80 if block_size > 1 else 400)
+    q, kc, vc, chunks, dense = random_case(
+        rng, heads, kv_heads, dim, block_size, num_blocks=80 if block_size > 1 else 400
+    )
     scale = dim**-0.5
     expected = dense_sdpa(q, chunks, dense, scale)
     backend = TorchPagedAttention()
@@ -68,7 +70,9 @@ def test_bf16_decode_batch() -> None:
     q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
     backend = get_backend("cpu")
     meta = backend.build_metadata(chunks, 16)
-    got = backend.forward(q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, 32**-0.5)
+    got = backend.forward(
+        q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, 32**-0.5
+    )
     ref = paged_attention_reference(q, kc, vc, chunks, 16, 32**-0.5)
     torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
 

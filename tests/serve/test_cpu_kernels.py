@@ -15,8 +15,9 @@ import torch
 
 from serve import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX")),
-                                reason="the kernels need AVX2")
+pytestmark = pytest.mark.skipif(
+    not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX")), reason="the kernels need AVX2"
+)
 
 
 def test_kernels_build_here() -> None:
@@ -91,9 +92,9 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float64)
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            blk = x[r, 32 * b: 32 * (b + 1)].double()
+            blk = x[r, 32 * b : 32 * (b + 1)].double()
             s = blk.abs().max().item() / 127
-            out[r, 32 * b: 32 * (b + 1)] = torch.round(blk / s) * s if s > 0 else 0.0
+            out[r, 32 * b : 32 * (b + 1)] = torch.round(blk / s) * s if s > 0 else 0.0
     return out
 
 
@@ -122,7 +123,13 @@ def test_results_do_not_depend_on_thread_count() -> None:
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        results.append((cpu_kernels.gemv_bf16(x, w), cpu_kernels.gemv_int4(x, packed), cpu_kernels.gemv_int4(x, packed, int8_activations=True)))
+        results.append(
+            (
+                cpu_kernels.gemv_bf16(x, w),
+                cpu_kernels.gemv_int4(x, packed),
+                cpu_kernels.gemv_int4(x, packed, int8_activations=True),
+            )
+        )
     torch.set_num_threads(before)
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.serve.conftest import hf_model, make_model, write_tokenizer
 from serve import LLM, AdmissionError, SamplingParams
+from tests.serve.conftest import hf_model, make_model, write_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -83,10 +83,20 @@ def test_speculative_greedy_identical_and_accepts(spec_pair: tuple[Path, Path]) 
 
 def test_speculation_with_rejections_sampling_and_tiny_pool(tiny_dir: Path, draft_dir: Path, reference_outputs) -> None:  # noqa: ANN001
     prompts, expected = reference_outputs
-    llm = LLM(tiny_dir, draft_dir, dtype="float32", num_speculative_tokens=2, adaptive_speculation=False, num_kv_blocks=14, block_size=8)
+    llm = LLM(
+        tiny_dir,
+        draft_dir,
+        dtype="float32",
+        num_speculative_tokens=2,
+        adaptive_speculation=False,
+        num_kv_blocks=14,
+        block_size=8,
+    )
     outs = llm.generate(prompts[:8], GREEDY)
     assert [o.token_ids for o in outs] == expected[:8]
-    sampled = llm.generate(prompts[:4], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=5, ignore_eos=True))
+    sampled = llm.generate(
+        prompts[:4], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=5, ignore_eos=True)
+    )
     assert all(len(o.token_ids) == 12 for o in sampled)
     assert llm.stats.spec_proposed > 0
     finish(llm)
@@ -105,18 +115,24 @@ def test_text_prompts_stops_seeds_logprobs(tiny_dir: Path) -> None:
     base = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert base.prompt_token_ids[0] == 1 and len(base.token_ids) == 12 and base.finish_reason == "length"
     stop_id = base.token_ids[3]
-    cut = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True))[0]
+    cut = llm.generate(
+        "the quick brown fox", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    )[0]
     assert cut.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1] and cut.finish_reason == "stop"
     assert base.text.strip()
     stop_text = next(ch for ch in base.text[len(base.text) // 2 :] + base.text if not ch.isspace())
-    s = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=12, stop=stop_text, ignore_eos=True))[0]
+    s = llm.generate(
+        "the quick brown fox", SamplingParams(temperature=0, max_tokens=12, stop=stop_text, ignore_eos=True)
+    )[0]
     assert s.finish_reason == "stop" and stop_text not in s.text and base.text.startswith(s.text)
     seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=11, ignore_eos=True)
     a, b = llm.generate(["hello", "hello"], [seeded, seeded])
     assert a.token_ids == b.token_ids
     lp = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True))[0]
     assert len(lp.logprobs) == 3 and all(len(d) >= 2 for d in lp.logprobs)
-    pen = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.5, ignore_eos=True))[0]
+    pen = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.5, ignore_eos=True)
+    )[0]
     assert len(pen.token_ids) == 8
     finish(llm)
 
@@ -162,7 +178,13 @@ def test_draft_vocab_mismatch_refused(tiny_dir: Path, tmp_path: Path) -> None:
     (other / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="first differing id 100"):
         LLM(tiny_dir, other)
-    bigger = make_model(tmp_path / "bigger", vocab_size=write_tokenizer(tmp_path / "t") + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    bigger = make_model(
+        tmp_path / "bigger",
+        vocab_size=write_tokenizer(tmp_path / "t") + 8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+    )
     with pytest.raises(ValueError, match="first differing id"):
         LLM(tiny_dir, bigger)
 
@@ -211,7 +233,9 @@ def test_restricted_draft_head_is_exact_and_uses_only_its_ids(spec_pair: tuple[P
         return out
 
     llm.runner._propose_rest = spy  # type: ignore[method-assign]
-    sampled = llm.generate(prompts[:3], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=3, ignore_eos=True))
+    sampled = llm.generate(
+        prompts[:3], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=3, ignore_eos=True)
+    )
     assert all(len(o.token_ids) == 10 for o in sampled)
     assert proposed and set(sum(proposed, [])) <= set(ids)  # sampled drafts never leave the subset
     capped = LLM(target, restricted, dtype="float32", draft_vocab_size=10)
@@ -239,8 +263,12 @@ def test_engine_on_triton_kernels_matches_torch_backend(tiny_dir: Path, draft_di
     prompts = random_prompts(3, seed=11, hi=40)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     common = dict(dtype="float32", block_size=16, max_num_batched_tokens=32)
-    ref = LLM(tiny_dir, draft_dir, num_speculative_tokens=2, adaptive_speculation=False, **common).generate(prompts, params)
-    llm = LLM(tiny_dir, draft_dir, num_speculative_tokens=2, adaptive_speculation=False, attention_backend="triton", **common)
+    ref = LLM(tiny_dir, draft_dir, num_speculative_tokens=2, adaptive_speculation=False, **common).generate(
+        prompts, params
+    )
+    llm = LLM(
+        tiny_dir, draft_dir, num_speculative_tokens=2, adaptive_speculation=False, attention_backend="triton", **common
+    )
     assert type(llm.runner.target.backend).__name__ == "TritonPagedAttention"
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref]
     finish(llm)

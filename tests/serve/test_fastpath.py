@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from serve import cpu_kernels
 from serve.attention import SeqChunk, TorchPagedAttention, paged_attention_reference
 from serve.attention.torch_ref import split_by_context
 from serve.model import rms_norm
-from serve import cpu_kernels
 from serve.quant import PACKED_MAX_ROWS, DenseLinear
 
 
@@ -86,7 +86,9 @@ def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 256), (9, 1024), (200, 64)])
-def test_rms_norm_matches_transformers_formula(dtype: torch.dtype, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rms_norm_matches_transformers_formula(
+    dtype: torch.dtype, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch's fused norm path (serve's C++ one has its own test in test_cpu_kernels.py)."""
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     torch.manual_seed(shape[0])
@@ -133,7 +135,9 @@ def test_many_decode_sequences_split_into_groups_match_dense() -> None:
     backend = TorchPagedAttention()
     meta = backend.build_metadata(chunks, bs)
     assert len([g for g in meta.groups if g.query_len == 1]) > 1
-    got = backend.forward(q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, dim**-0.5)
+    got = backend.forward(
+        q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, dim**-0.5
+    )
     ref = paged_attention_reference(q, kc, vc, chunks, bs, dim**-0.5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
@@ -147,7 +151,10 @@ def test_bf16_attention_upcast_matches_float64_reference() -> None:
     heads, kv_heads, dim, bs, num_blocks = 8, 2, 32, 4, 300
     free = list(range(num_blocks))
     rng.shuffle(free)
-    kc, vc = torch.randn(kv_heads, num_blocks * bs, dim).bfloat16(), torch.randn(kv_heads, num_blocks * bs, dim).bfloat16()
+    kc, vc = (
+        torch.randn(kv_heads, num_blocks * bs, dim).bfloat16(),
+        torch.randn(kv_heads, num_blocks * bs, dim).bfloat16(),
+    )
     chunks, start = [], 0
     for i in range(12):
         ctx = rng.randint(20, 90)
@@ -161,7 +168,15 @@ def test_bf16_attention_upcast_matches_float64_reference() -> None:
     for up in (True, False):
         backend = TorchPagedAttention(upcast_bf16=up)
         meta = backend.build_metadata(chunks, bs)
-        got = backend.forward(q, kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1), kc, vc, meta, dim**-0.5)
+        got = backend.forward(
+            q,
+            kc[:, meta.slot_mapping].transpose(0, 1),
+            vc[:, meta.slot_mapping].transpose(0, 1),
+            kc,
+            vc,
+            meta,
+            dim**-0.5,
+        )
         assert got.dtype == torch.bfloat16
         errors[up] = (got.double() - ref).abs()
     assert bool((errors[True] <= _bf16_spacing(ref) + 1e-6).all())
@@ -174,7 +189,12 @@ def _decode_step_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
 
     blocks, n = 4, len(ids)
     kv, table = model.new_kv_cache(blocks, 16), list(range(blocks))
-    model.forward(ForwardBatch(torch.tensor(ids[:-1]), torch.arange(n - 1), [SeqChunk(0, n - 1, n - 1, table)], torch.tensor([n - 2])), kv)
+    model.forward(
+        ForwardBatch(
+            torch.tensor(ids[:-1]), torch.arange(n - 1), [SeqChunk(0, n - 1, n - 1, table)], torch.tensor([n - 2])
+        ),
+        kv,
+    )
     step = ForwardBatch(torch.tensor(ids[-1:]), torch.tensor([n - 1]), [SeqChunk(0, 1, n, table)], torch.tensor([0]))
     return model.forward(step, kv)[0]
 

@@ -8,13 +8,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.serve.conftest import make_model
-from tests.serve.gptq_pack import brute_force_dequant, quantize_to_gptq
 from serve import LLM, SamplingParams
 from serve.model import LlamaModel
 from serve.quant import Int4Linear, gptq_dequantize, gptq_to_int4_parts
+from tests.serve.conftest import make_model
+from tests.serve.gptq_pack import brute_force_dequant, quantize_to_gptq
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "float", "int8"])
@@ -27,7 +35,9 @@ def test_int4_linear_matches_dequantized_matmul(group_size: int, act_order: bool
     packed = quantize_to_gptq(w, group_size, act_order, seed=group_size)
     reference = brute_force_dequant(packed)
     torch.testing.assert_close(gptq_dequantize(**packed), reference, rtol=0, atol=0)
-    parts = gptq_to_int4_parts("layer", packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], group_size)
+    parts = gptq_to_int4_parts(
+        "layer", packed["qweight"], packed["qzeros"], packed["scales"], packed["g_idx"], group_size
+    )
     assert (parts.perm is not None) == act_order
     x = torch.randn(5, 128).bfloat16().float()
     lin = Int4Linear([parts], use_kernels=kernel != "torch", int8_activations=kernel == "int8")
@@ -40,7 +50,9 @@ def test_int4_linear_matches_dequantized_matmul(group_size: int, act_order: bool
 def test_fused_parts_and_malformed_g_idx() -> None:
     w1, w2 = torch.randn(16, 64), torch.randn(32, 64)
     p1, p2 = quantize_to_gptq(w1, 32, False), quantize_to_gptq(w2, 32, False)
-    parts = [gptq_to_int4_parts(n, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], 32) for n, p in (("a", p1), ("b", p2))]
+    parts = [
+        gptq_to_int4_parts(n, p["qweight"], p["qzeros"], p["scales"], p["g_idx"], 32) for n, p in (("a", p1), ("b", p2))
+    ]
     x = torch.randn(3, 64)
     want = torch.cat([x @ brute_force_dequant(p1).T, x @ brute_force_dequant(p2).T], dim=-1)
     got = Int4Linear(parts)(x)
@@ -48,7 +60,9 @@ def test_fused_parts_and_malformed_g_idx() -> None:
     bad = dict(p1)
     bad["g_idx"] = torch.zeros(64, dtype=torch.int32)
     with pytest.raises(ValueError, match="g_idx"):
-        gptq_to_int4_parts("model.layers.0.self_attn.q_proj", bad["qweight"], bad["qzeros"], bad["scales"], bad["g_idx"], 32)
+        gptq_to_int4_parts(
+            "model.layers.0.self_attn.q_proj", bad["qweight"], bad["qzeros"], bad["scales"], bad["g_idx"], 32
+        )
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +86,14 @@ def int4_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             shutil.copy(base / f, d / f)
     cfg = json.loads((base / "config.json").read_text())
     (ddir / "config.json").write_text(json.dumps(cfg))
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True, "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 32,
+        "sym": False,
+        "desc_act": True,
+        "checkpoint_format": "gptq",
+    }
     (qdir / "config.json").write_text(json.dumps(cfg))
     save_file(qstate, str(qdir / "model.safetensors"), metadata={"format": "pt"})
     save_file(dstate, str(ddir / "model.safetensors"), metadata={"format": "pt"})
@@ -80,7 +101,9 @@ def int4_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("activations, tolerance, tie", [("float", 3e-2, 0.05), ("int8", 8e-2, 0.3)])
-def test_int4_model_matches_dequantized_reference(int4_pair: tuple[Path, Path], activations: str, tolerance: float, tie: float) -> None:
+def test_int4_model_matches_dequantized_reference(
+    int4_pair: tuple[Path, Path], activations: str, tolerance: float, tie: float
+) -> None:
     """Logits within bf16 rounding (float activations) or bf16 plus int8 activation rounding of
     the dequantized model in transformers, and greedy decoding that picks its argmax up to
     near-ties. This random 2-layer model moves ~5% under int8 activations (the trained demo

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.serve.conftest import write_tokenizer
 from serve.kv_cache import KVCache
 from serve.stats import EngineStats, percentile
 from serve.tokenizer import Tokenizer, first_vocab_difference
+from tests.serve.conftest import write_tokenizer
 
 
 def test_kv_write_and_copy_blocks() -> None:
@@ -52,7 +52,8 @@ def test_serve_imports_neither_warsha_nor_training_stack() -> None:
 
     code = (
         "import sys, serve, serve.engine, serve.spec_decode, serve.quant; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('warsha', 'transformers', 'peft', 'deepspeed', 'bitsandbytes')]; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('warsha', 'transformers', 'peft', 'deepspeed', "
+        "'bitsandbytes')]; "
         "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -6,18 +6,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.serve.conftest import hf_model, make_model
 from serve.config import ModelConfig
 from serve.model import LlamaModel, resolve_dtype
 from serve.rope import inv_freq_and_attention_factor, rope_config_from_hf
+from tests.serve.conftest import hf_model, make_model
 
 ROPE_CASES = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
 }
 
 
@@ -67,7 +81,11 @@ def test_logits_match_transformers_fp32(tmp_path: Path, name: str) -> None:
 
 
 def test_logits_bf16_within_2e2(tmp_path: Path) -> None:
-    path = make_model(tmp_path / "bf16", dtype=torch.bfloat16, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+    path = make_model(
+        tmp_path / "bf16",
+        dtype=torch.bfloat16,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    )
     _compare(path, torch.bfloat16, 2e-2)
 
 

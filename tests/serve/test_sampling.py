@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from serve.sampler import Sampler, SamplingParams, param_tensors, process_logits
+from serve.sampler import Sampler, SamplingParams, process_logits
 from serve.spec_decode import SpecController, greedy_verify, rejection_sample
 
 
@@ -31,7 +31,9 @@ def _chi2_ok(samples: torch.Tensor, probs: torch.Tensor) -> float:
     support = probs > 0
     assert counts[~support].sum() == 0, "a token outside the support was emitted"
     expected = probs[support].double() * counts.sum()
-    return chisquare(counts[support].numpy(), expected.numpy() / expected.sum().item() * counts[support].sum().item()).pvalue
+    return chisquare(
+        counts[support].numpy(), expected.numpy() / expected.sum().item() * counts[support].sum().item()
+    ).pvalue
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
@@ -81,9 +83,13 @@ def test_greedy_verify_equals_rejection_sampling_on_one_hot_distributions() -> N
         p_logits = torch.randn(batch, k + 1, vocab, generator=gen)
         flat = p_logits.reshape(-1, vocab)
         zeros = torch.zeros(flat.shape[0])
-        p = process_logits(flat, zeros, torch.full((flat.shape[0],), -1), torch.ones(flat.shape[0])).reshape(batch, k + 1, vocab)
+        p = process_logits(flat, zeros, torch.full((flat.shape[0],), -1), torch.ones(flat.shape[0])).reshape(
+            batch, k + 1, vocab
+        )
         best = p_logits.argmax(-1)
-        drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, vocab, (batch, k), generator=gen))
+        drafts = torch.where(
+            torch.rand(batch, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, vocab, (batch, k), generator=gen)
+        )
         q = torch.zeros(batch, k, vocab).scatter_(-1, drafts[..., None], 1.0)
         slow = rejection_sample(drafts, q, p, counts, [None] * batch, gen)
         fast = greedy_verify(drafts, [best[i, : int(counts[i]) + 1] for i in range(batch)], counts)
@@ -100,7 +106,9 @@ def test_top_k_top_p_masks_and_seeded_sampler() -> None:
     logits = torch.randn(2, 50).repeat(1, 1)
     logits[1] = logits[0]
     a = Sampler(0)(logits, params, [[1], [1]], [[], []], [torch.Generator().manual_seed(7)] * 2).tokens
-    b = Sampler(1)(logits, params, [[1], [1]], [[], []], [torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)]).tokens
+    b = Sampler(1)(
+        logits, params, [[1], [1]], [[], []], [torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)]
+    ).tokens
     assert a[0] == b[0]
 
 
@@ -176,7 +184,7 @@ def test_controller_probes_long_enough_to_time_speculation_again() -> None:
         else:
             ctl.record_plain(1, seconds=1.0)
     first = seen.index(True)
-    assert seen[first: first + 2] == [True, True]  # the probe: catch-up, then a timed step
+    assert seen[first : first + 2] == [True, True]  # the probe: catch-up, then a timed step
     # speculation (5 tokens for 1.2x the cost) now wins; the only plain steps left are probes
     assert ctl.predicted_speedup(1) > 1
     assert seen[first:].count(True) > seen[first:].count(False)

@@ -8,7 +8,9 @@ from serve.sequence import Sequence, SequenceStatus
 
 
 def make_seq(n_prompt: int, rid: str, max_tokens: int = 4) -> Sequence:
-    return Sequence(request_id=rid, prompt_token_ids=list(range(1, n_prompt + 1)), max_tokens=max_tokens, arrival_time=0.0)
+    return Sequence(
+        request_id=rid, prompt_token_ids=list(range(1, n_prompt + 1)), max_tokens=max_tokens, arrival_time=0.0
+    )
 
 
 def fake_step(sched: Scheduler, batch: ScheduledBatch) -> None:

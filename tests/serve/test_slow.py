@@ -14,7 +14,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_benchmark_quick_run_writes_results(tmp_path: Path) -> None:
     """The benchmark runs end to end on CPU and writes the fields the report reads (no timing checks)."""
     before = set((ROOT / "benchmarks" / "results").glob("*.json"))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--quick", "--no-medium", "--skip-cb", "--repeats", "1", "--scenarios", "a,b", "--workdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "serve_bench.py"),
+        "--quick",
+        "--no-medium",
+        "--skip-cb",
+        "--repeats",
+        "1",
+        "--scenarios",
+        "a,b",
+        "--workdir",
+        str(tmp_path),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     new = sorted(set((ROOT / "benchmarks" / "results").glob("*.json")) - before)
     assert new, "no results file written"
@@ -30,8 +42,8 @@ def test_bf16_engine_tracks_hf_generate(tiny_dir: Path) -> None:
     """bf16 greedy outputs agree with HF bf16 at batch 1 on most tokens (rounding may flip near-ties)."""
     import torch
 
-    from tests.serve.conftest import hf_model
     from serve import LLM, SamplingParams
+    from tests.serve.conftest import hf_model
 
     bf16_dir = tiny_dir
     ref = hf_model(bf16_dir, torch.bfloat16)
@@ -40,7 +52,9 @@ def test_bf16_engine_tracks_hf_generate(tiny_dir: Path) -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     agree = 0
     for p, o in zip(prompts, outs):
-        want = ref.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(p) :].tolist()
+        want = ref.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False)[
+            0, len(p) :
+        ].tolist()
         agree += next((i for i in range(16) if want[i] != o.token_ids[i]), 16)
     assert agree / (16 * len(prompts)) > 0.5
     llm.block_manager.check_no_leaks()

@@ -42,7 +42,9 @@ def torch_backend_output(case: PagedCase, block_size: int, scale: float) -> torc
     backend = TorchPagedAttention()
     meta = backend.build_metadata(case.chunks, block_size)
     kc, vc = (torch.nan_to_num(c.float().cpu()) for c in (case.k_cache, case.v_cache))
-    return backend.forward(case.q.float().cpu(), case.k_new.float().cpu(), case.v_new.float().cpu(), kc, vc, meta, scale)
+    return backend.forward(
+        case.q.float().cpu(), case.k_new.float().cpu(), case.v_new.float().cpu(), kc, vc, meta, scale
+    )
 
 
 def run_triton(case: PagedCase, block_size: int, scale: float, partition_size: int = 32) -> torch.Tensor:
@@ -92,7 +94,9 @@ def test_decode_partitions_merge_like_one_pass() -> None:
 
     device = kernel_device()
     case = paged_case(3, [(300, 1), (7, 1), (129, 1)], 8, 2, 64, 16, poison_unused=True)
-    ref = paged_attention_reference(case.q, torch.nan_to_num(case.k_cache), torch.nan_to_num(case.v_cache), case.chunks, 16, 0.125)
+    ref = paged_attention_reference(
+        case.q, torch.nan_to_num(case.k_cache), torch.nan_to_num(case.v_cache), case.chunks, 16, 0.125
+    )
     dev = to_device(case, device)
     outs = []
     for partition in (32, 48, 512):
@@ -152,7 +156,9 @@ def test_write_kv_skips_negative_slots_and_casts() -> None:
     k = torch.randn(37, kv_heads, dim, generator=gen)
     v = torch.randn(37, kv_heads, dim, generator=gen)
     # exact ties between two bf16 values for half the rows: round-to-nearest-even is required
-    ties = (torch.randn(19, kv_heads, dim, generator=gen).bfloat16().float().view(torch.int32) | 0x8000).view(torch.float32)
+    ties = (torch.randn(19, kv_heads, dim, generator=gen).bfloat16().float().view(torch.int32) | 0x8000).view(
+        torch.float32
+    )
     k[::2], v[1::2] = ties[:19], ties[:18]
     k_cache = torch.full((kv_heads, slots_total, dim), float("nan"), dtype=torch.bfloat16, device=device)
     v_cache = torch.full_like(k_cache, float("nan"))

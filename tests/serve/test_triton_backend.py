@@ -43,10 +43,13 @@ def test_cpu_serving_never_imports_triton(tiny_dir: Path) -> None:
         "m = LlamaModel.load(sys.argv[1], 'float32')\n"
         "assert m.backend.name == 'torch'\n"
         "assert m.prefill_logits([3, 4, 5, 6]).isfinite().all()\n"
-        "bad = sorted(k for k in sys.modules if k == 'triton' or k.startswith(('triton.', 'serve.attention.triton', 'serve.triton')))\n"
+        "bad = sorted(k for k in sys.modules if k == 'triton' or k.startswith(('triton.', "
+        "'serve.attention.triton', 'serve.triton')))\n"
         "assert not bad, bad\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_dir)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -61,14 +64,17 @@ def test_model_forward_on_triton_backend(tiny_dir: Path) -> None:
     models["triton"].backend = get_backend("cpu", prefer="triton", partition_size=16)
     caches = {name: m.new_kv_cache(12, 16) for name, m in models.items()}
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 300, (37,), generator=gen).tolist(), torch.randint(3, 300, (21,), generator=gen).tolist()]
+    prompts = [
+        torch.randint(3, 300, (37,), generator=gen).tolist(),
+        torch.randint(3, 300, (21,), generator=gen).tolist(),
+    ]
     tables = [[5, 0, 9], [3, 7]]
     # step 1: first 20 tokens of prompt 0 and all of prompt 1; step 2: the rest of prompt 0;
     # then three decode steps for both (the 37-token context spans three 16-token partitions)
     plan = [[(0, 0, 20), (1, 0, 21)], [(0, 20, 37)]] + [[(0, 37 + i, 38 + i), (1, 21 + i, 22 + i)] for i in range(3)]
     tokens = [list(p) for p in prompts]
     for step in plan:
-        for seq, lo, hi in step:  # decode steps feed a fixed token: both backends must agree anyway
+        for seq, _lo, hi in step:  # decode steps feed a fixed token: both backends must agree anyway
             tokens[seq] += [17] * (hi - len(tokens[seq]))
         ids = [t for seq, lo, hi in step for t in tokens[seq][lo:hi]]
         chunks, start = [], 0
@@ -76,8 +82,10 @@ def test_model_forward_on_triton_backend(tiny_dir: Path) -> None:
             chunks.append(SeqChunk(start, hi - lo, hi, tables[seq]))
             start += hi - lo
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor([p for _, lo, hi in step for p in range(lo, hi)]),
-            chunks=chunks, logits_indices=torch.arange(len(ids)),
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor([p for _, lo, hi in step for p in range(lo, hi)]),
+            chunks=chunks,
+            logits_indices=torch.arange(len(ids)),
         )
         logits = {name: m.forward(batch, caches[name]) for name, m in models.items()}
         torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)

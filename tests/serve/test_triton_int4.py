@@ -39,7 +39,9 @@ def random_gptq(k: int, n: int, group_size: int, seed: int, act_order: bool = Fa
     }
 
 
-def reference(x: torch.Tensor, t: dict[str, torch.Tensor], bias: torch.Tensor | None = None, fmt: str = "gptq") -> torch.Tensor:
+def reference(
+    x: torch.Tensor, t: dict[str, torch.Tensor], bias: torch.Tensor | None = None, fmt: str = "gptq"
+) -> torch.Tensor:
     """float64 x @ W^T with W from the torch reference dequantization."""
     w = gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], fmt).double()
     y = x.double() @ w.T
@@ -53,8 +55,15 @@ def run(x: torch.Tensor, t: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
     device = kernel_device()
     moved = {name: v.to(device) for name, v in t.items()}
     bias = kwargs.pop("bias", None)
-    out = int4_matmul(x.to(device), moved["qweight"], moved["qzeros"], moved["scales"], moved["g_idx"],
-                      bias=None if bias is None else bias.to(device), **kwargs)
+    out = int4_matmul(
+        x.to(device),
+        moved["qweight"],
+        moved["qzeros"],
+        moved["scales"],
+        moved["g_idx"],
+        bias=None if bias is None else bias.to(device),
+        **kwargs,
+    )
     return out.cpu()
 
 
@@ -76,7 +85,9 @@ def test_int4_act_order_bias_and_v2_zeros() -> None:
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(run(x, t, bias=bias).double(), reference(x, t, bias), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(run(x, t, checkpoint_format="gptq_v2").double(), reference(x, t, fmt="gptq_v2"), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        run(x, t, checkpoint_format="gptq_v2").double(), reference(x, t, fmt="gptq_v2"), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_int4_bf16_input_real_gptq_packing() -> None:
@@ -101,7 +112,9 @@ def test_int4_linear_checks_layout() -> None:
     t = {name: v.to(device) for name, v in random_gptq(64, 16, 32, seed=0).items()}
     linear = Int4TritonLinear(t["qweight"], t["qzeros"], t["scales"], None, group_size=32)
     x = torch.randn(2, 64, device=device)
-    torch.testing.assert_close(linear(x).cpu().double(), reference(x.cpu(), {k: v.cpu() for k, v in t.items()}), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        linear(x).cpu().double(), reference(x.cpu(), {k: v.cpu() for k, v in t.items()}), atol=1e-4, rtol=1e-4
+    )
     with pytest.raises(ValueError, match="g_idx holds groups"):
         Int4TritonLinear(t["qweight"], t["qzeros"], t["scales"], t["g_idx"] + 1, group_size=32)
     with pytest.raises(ValueError, match="scales"):

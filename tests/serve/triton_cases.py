@@ -21,9 +21,12 @@ def kernel_device() -> torch.device:
     """cuda when present, else cpu under the interpreter (asserted, never skipped)."""
     if torch.cuda.is_available():
         return torch.device("cuda")
-    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET=1 before triton is imported"
-    from serve.attention import triton_decode
+    assert os.environ.get("TRITON_INTERPRET") == "1", (
+        "tests/conftest.py must set TRITON_INTERPRET=1 before triton is imported"
+    )
     from triton.runtime.interpreter import InterpretedFunction
+
+    from serve.attention import triton_decode
 
     assert isinstance(triton_decode._decode_partition_kernel, InterpretedFunction), (
         "serve's Triton kernels were compiled for a GPU: triton was imported before TRITON_INTERPRET=1 was set"
@@ -78,7 +81,7 @@ def paged_case(
         table = [free.pop() for _ in range(-(-ctx // block_size))]
         slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx)]
         used += slots
-        new_slots += slots[ctx - q_len:]
+        new_slots += slots[ctx - q_len :]
         chunks.append(SeqChunk(start, q_len, ctx, table))
         start += q_len
     if poison_unused:
@@ -89,8 +92,15 @@ def paged_case(
     k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     idx = torch.tensor(new_slots)
     q = torch.randn(start, heads, dim, generator=gen).to(dtype)
-    return PagedCase(q, k_cache[:, idx].transpose(0, 1).contiguous(), v_cache[:, idx].transpose(0, 1).contiguous(),
-                     k_cache, v_cache, chunks, torch.tensor(sorted(used)))
+    return PagedCase(
+        q,
+        k_cache[:, idx].transpose(0, 1).contiguous(),
+        v_cache[:, idx].transpose(0, 1).contiguous(),
+        k_cache,
+        v_cache,
+        chunks,
+        torch.tensor(sorted(used)),
+    )
 
 
 def to_device(case: PagedCase, device: torch.device) -> PagedCase:

@@ -36,9 +36,18 @@ def tiny_llama(out: Path, vocab: int, tie: bool = False, seed: int = 0) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out)
     return model
@@ -52,7 +61,7 @@ def corpus() -> Corpus:
 @pytest.fixture(scope="session")
 def sp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Llama with mistral-common's 32k SentencePiece BPE (tokenizer.model.v1)."""
-    from warsha.sp_convert import sp_model_to_hf
+    from warsha.sentencepiece_hf import sp_model_to_hf
 
     out = tmp_path_factory.mktemp("sp_base")
     tiny_llama(out, 32000)
@@ -77,10 +86,19 @@ def make_ctx(tmp: Path, model_dir: Path, corpus: Corpus, name: str = "stage", **
     """A StageContext as the pipeline would build it, over a preloaded corpus."""
     recipe = SimpleNamespace(data=corpus.config, seed=0)
     out = tmp / f"{name}.out"
-    return StageContext(stage=f"tokenizer_ext.{name}", stage_id=name, recipe=recipe, out_dir=out,
-                        inputs={"model": model_dir, **inputs}, input_manifests={},
-                        checkpoint_dir=tmp / f"{name}.ckpt", tracker=ListTracker(), device="cpu",
-                        seed=0, _corpus=corpus)
+    return StageContext(
+        stage=f"tokenizer_ext.{name}",
+        stage_id=name,
+        recipe=recipe,
+        out_dir=out,
+        inputs={"model": model_dir, **inputs},
+        input_manifests={},
+        checkpoint_dir=tmp / f"{name}.ckpt",
+        tracker=ListTracker(),
+        device="cpu",
+        seed=0,
+        _corpus=corpus,
+    )
 
 
 @pytest.fixture(scope="session")

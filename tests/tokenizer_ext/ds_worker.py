@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from tokenizer_ext import adapt, ds_train
+from tokenizer_ext.stages import AdaptParams
 from warsha.data import DataConfig, load_corpus
 from warsha.stage import StageContext
 from warsha.training import TrainParams
-
-from tokenizer_ext import adapt, ds_train
-from tokenizer_ext.stages import AdaptParams
 
 
 class _Tracker:
@@ -31,13 +30,32 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     corpus = load_corpus(DataConfig(max_documents=400))
     recipe = SimpleNamespace(data=corpus.config, seed=0)
-    ctx = StageContext(stage="tokenizer_ext.adapt", stage_id="adapt", recipe=recipe,
-                       out_dir=work / "out", inputs={"model": model_dir}, input_manifests={},
-                       checkpoint_dir=work / "ckpt", tracker=_Tracker(), device="cpu", seed=0,
-                       is_main=rank == 0, world_size=ds_train.world_size(), _corpus=corpus)
+    ctx = StageContext(
+        stage="tokenizer_ext.adapt",
+        stage_id="adapt",
+        recipe=recipe,
+        out_dir=work / "out",
+        inputs={"model": model_dir},
+        input_manifests={},
+        checkpoint_dir=work / "ckpt",
+        tracker=_Tracker(),
+        device="cpu",
+        seed=0,
+        is_main=rank == 0,
+        world_size=ds_train.world_size(),
+        _corpus=corpus,
+    )
     train = TrainParams(steps=6, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=1, checkpoint_every=3, log_every=1)
-    p = AdaptParams(mode="full", train=train, deepspeed=config, compare_base=False, eval_docs=2,
-                    eval_max_length=32, gen_tokens=0, train_docs=100)
+    p = AdaptParams(
+        mode="full",
+        train=train,
+        deepspeed=config,
+        compare_base=False,
+        eval_docs=2,
+        eval_max_length=32,
+        gen_tokens=0,
+        train_docs=100,
+    )
     metrics = adapt.run(ctx, p)
     if rank == 0:
         (work / "result.json").write_text(json.dumps(metrics))

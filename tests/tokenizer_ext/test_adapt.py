@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.tokenizer_ext.conftest import make_ctx
-from warsha.training import TrainParams
 from tokenizer_ext import adapt
 from tokenizer_ext.stages import AdaptParams
+from warsha.training import TrainParams
 
 TINY = dict(steps=2, batch_size=2, seq_len=32, lr=5e-3, warmup_steps=1, checkpoint_every=1, log_every=1)
 
@@ -26,8 +26,14 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
     from transformers import AutoTokenizer
 
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
-    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1, "eval_every": 1, "bf16": True}), compare_base=False, eval_docs=1,
-                    eval_max_length=32, gen_tokens=0, train_docs=20)
+    p = AdaptParams(
+        train=TrainParams(**{**TINY, "steps": 1, "eval_every": 1, "bf16": True}),
+        compare_base=False,
+        eval_docs=1,
+        eval_max_length=32,
+        gen_tokens=0,
+        train_docs=20,
+    )
     m = adapt.run(ctx, p)
     curve = m["extended"]["bits_per_char_curve"]
     assert [c["step"] for c in curve] == [0, 1] and all(c["ar"] > 0 and c["en"] > 0 for c in curve)
@@ -63,8 +69,15 @@ def test_qlora_same_budget_comparison(tmp_path: Path, sp_embedded_dir: Path, cor
 def test_embeddings_mode_and_resume(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
     """Only embedding and LM head change; a rerun resumes from the saved checkpoint."""
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
-    p = AdaptParams(mode="embeddings", train=TrainParams(**{**TINY, "steps": 3}), compare_base=False,
-                    eval_docs=2, eval_max_length=32, gen_tokens=0, train_docs=40)
+    p = AdaptParams(
+        mode="embeddings",
+        train=TrainParams(**{**TINY, "steps": 3}),
+        compare_base=False,
+        eval_docs=2,
+        eval_max_length=32,
+        gen_tokens=0,
+        train_docs=40,
+    )
     first = adapt.run(ctx, p)["extended"]
     assert first["resumed_from_step"] == 0 and len(first["loss_curve"]) == 3
     before, after = _state(sp_embedded_dir), _state(ctx.out_dir)
@@ -79,8 +92,15 @@ def test_embeddings_mode_and_resume(tmp_path: Path, sp_embedded_dir: Path, corpu
 def test_qlora_full_embeddings_option(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
     """modules_to_save trains whole matrices: base rows move too."""
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
-    p = AdaptParams(train=TrainParams(**{**TINY, "steps": 1}), full_embeddings=True, compare_base=False,
-                    eval_docs=1, eval_max_length=32, gen_tokens=0, train_docs=20)
+    p = AdaptParams(
+        train=TrainParams(**{**TINY, "steps": 1}),
+        full_embeddings=True,
+        compare_base=False,
+        eval_docs=1,
+        eval_max_length=32,
+        gen_tokens=0,
+        train_docs=20,
+    )
     m = adapt.run(ctx, p)
     before, after = _state(sp_embedded_dir), _state(ctx.out_dir)
     key = "model.embed_tokens.weight"

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from tests.tokenizer_ext.conftest import make_ctx
-from warsha.data import Corpus, DataConfig
-from warsha.schema import from_dict
 from tokenizer_ext import adapt, extend
 from tokenizer_ext.stages import AdaptParams, ExtendParams
+from warsha.data import Corpus, DataConfig
+from warsha.schema import from_dict
 
 
 def test_corpus_without_target_language(tmp_path: Path, sp_model_dir: Path) -> None:
@@ -36,9 +36,13 @@ def test_unigram_sentencepiece_is_unsupported(tmp_path: Path, corpus: Any) -> No
 
     model = tmp_path / "uni"
     model.mkdir()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus.texts("en", "train")[:300]),
-                                   model_prefix=str(model / "tokenizer"), model_type="unigram",
-                                   vocab_size=300, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus.texts("en", "train")[:300]),
+        model_prefix=str(model / "tokenizer"),
+        model_type="unigram",
+        vocab_size=300,
+        minloglevel=2,
+    )
     ctx = make_ctx(tmp_path, model, corpus, "extend")
     with pytest.raises(ValueError, match="Unigram model is not supported; supported families are SentencePiece BPE"):
         extend.run(ctx, ExtendParams())
@@ -94,7 +98,9 @@ def test_stages_module_imports_no_heavy_libraries() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, tokenizer_ext.stages as s;"
-            " print(sorted(s.STAGES), 'torch' in sys.modules, 'transformers' in sys.modules)")
+    code = (
+        "import sys, tokenizer_ext.stages as s;"
+        " print(sorted(s.STAGES), 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "['adapt', 'embed', 'extend'] False False"

@@ -21,8 +21,15 @@ ROOT = HERE.parent.parent
 def _launch(model_dir: Path, work: Path, config: str) -> dict:
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{HERE}", "OMP_NUM_THREADS": "1"}
-    cmd = [str(torchrun), "--nproc_per_node", "2", str(HERE / "ds_worker.py"), str(model_dir), str(work),
-           str(ROOT / "recipes" / "deepspeed" / config)]
+    cmd = [
+        str(torchrun),
+        "--nproc_per_node",
+        "2",
+        str(HERE / "ds_worker.py"),
+        str(model_dir),
+        str(work),
+        str(ROOT / "recipes" / "deepspeed" / config),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((work / "result.json").read_text())

@@ -82,8 +82,11 @@ def test_independent_unreachable_count(extended: tuple[Path, dict], corpus: Any)
     proto.normalizer_spec.add_dummy_prefix = False
     bare = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
     seen = {i for ids in full.encode(corpus.texts("ar", "validation")) for i in ids}
-    dead = [i for i in range(32000, full.get_piece_size())
-            if i not in seen and i not in bare.encode(full.id_to_piece(i).replace("\u2581", " "))]
+    dead = [
+        i
+        for i in range(32000, full.get_piece_size())
+        if i not in seen and i not in bare.encode(full.id_to_piece(i).replace("\u2581", " "))
+    ]
     assert dead == []
 
 

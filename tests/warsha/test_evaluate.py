@@ -10,7 +10,9 @@ import torch
 from warsha.evaluate import fertility, likelihood, windows
 
 
-@pytest.mark.parametrize("n,length,stride", [(1, 8, 4), (2, 8, 4), (8, 8, 4), (9, 8, 4), (50, 8, 4), (50, 16, 1), (33, 16, 15)])
+@pytest.mark.parametrize(
+    "n,length,stride", [(1, 8, 4), (2, 8, 4), (8, 8, 4), (9, 8, 4), (50, 8, 4), (50, 16, 1), (33, 16, 15)]
+)
 def test_windows_score_every_target_once(n: int, length: int, stride: int) -> None:
     scored: list[int] = []
     for begin, end, k in windows(n, length, stride):

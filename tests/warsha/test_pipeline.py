@@ -22,8 +22,16 @@ def test_artifact_loads_with_auto_classes_and_has_manifest(tiny_artifact: Path) 
     import sentencepiece as spm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "warsha.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "warsha.json",
+    ):
         assert (tiny_artifact / name).is_file(), name
     model = AutoModelForCausalLM.from_pretrained(tiny_artifact)
     tok = AutoTokenizer.from_pretrained(tiny_artifact)
@@ -65,8 +73,11 @@ def test_corrupted_weights_detected_and_not_overwritten(tmp_path: Path) -> None:
     with pytest.raises(artifacts.ArtifactError, match="sha256 does not match"):
         run_tiny(tmp_path, steps=2)
     assert weights.read_bytes() == data[: len(data) // 2]
-    proc = subprocess.run([sys.executable, "-m", "warsha", "inspect", str(tmp_path / "bootstrap"), "--verify"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "warsha", "inspect", str(tmp_path / "bootstrap"), "--verify"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "model.safetensors" in proc.stderr
 
 

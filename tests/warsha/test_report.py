@@ -25,11 +25,23 @@ def test_stage_plots_from_synthetic_manifests(tmp_path: Path) -> None:
 
     from warsha.report_plots import draw_plots
 
-    extend = {"stage": "tokenizer_ext.extend", "metrics": {"fertility": {
-        "ar": {"before": {"tokens_per_word": 4.5}, "after": {"tokens_per_word": 1.2}},
-        "en": {"before": {"tokens_per_word": 1.5}, "after": {"tokens_per_word": 1.5}}}}}
-    quant = {"stage": "quantize.gptq", "metrics": {"method": "gptq", "perplexity_increase_rel": {"ar": 0.01},
-                                                  "rtn_perplexity_increase_rel": {"ar": 0.02}}}
+    extend = {
+        "stage": "tokenizer_ext.extend",
+        "metrics": {
+            "fertility": {
+                "ar": {"before": {"tokens_per_word": 4.5}, "after": {"tokens_per_word": 1.2}},
+                "en": {"before": {"tokens_per_word": 1.5}, "after": {"tokens_per_word": 1.5}},
+            }
+        },
+    }
+    quant = {
+        "stage": "quantize.gptq",
+        "metrics": {
+            "method": "gptq",
+            "perplexity_increase_rel": {"ar": 0.01},
+            "rtn_perplexity_increase_rel": {"ar": 0.02},
+        },
+    }
     for m, name in ((extend, "extend"), (quant, "gptq")):
         [(title, png, note)] = draw_plots(json.loads(json.dumps(m)), tmp_path, name)
         assert png is not None and png.stat().st_size > 1000, note
@@ -41,8 +53,10 @@ def test_adaptation_latency_and_quantization_summary_plots(tmp_path: Path) -> No
     from warsha.report_plots import draw_plots, plot_quant_summary
 
     curve = [{"step": s, "ar": 4.0 - s / 10, "en": 1.5} for s in (0, 10, 20)]
-    adapt = {"stage": "tokenizer_ext.adapt", "metrics": {"extended": {"bits_per_char_curve": curve},
-                                                        "base_same_budget": {"bits_per_char_curve": curve}}}
+    adapt = {
+        "stage": "tokenizer_ext.adapt",
+        "metrics": {"extended": {"bits_per_char_curve": curve}, "base_same_budget": {"bits_per_char_curve": curve}},
+    }
     [(_, png, note)] = draw_plots(adapt, tmp_path, "adapt")
     assert png is not None and png.stat().st_size > 1000, note
     engine = {"ttft_s": [0.01, 0.02, 0.03], "tpot_s": [0.005, 0.006]}
@@ -50,8 +64,17 @@ def test_adaptation_latency_and_quantization_summary_plots(tmp_path: Path) -> No
     plots = draw_plots(validate, tmp_path, "validate")
     assert [p.name for _, p, _ in plots] == ["validate-ttft.png", "validate-tpot.png"]
     ppl = {"ar": {"perplexity": 10.0}, "en": {"perplexity": 12.0}}
-    gptq = {"stage": "quantize.gptq", "metrics": {"method": "gptq", "quantized": ppl, "rtn": ppl,
-                                                 "unquantized": ppl, "size_bytes": 10, "input_size_bytes": 40}}
+    gptq = {
+        "stage": "quantize.gptq",
+        "metrics": {
+            "method": "gptq",
+            "quantized": ppl,
+            "rtn": ppl,
+            "unquantized": ppl,
+            "size_bytes": 10,
+            "input_size_bytes": 40,
+        },
+    }
     [(_, png, note)] = plot_quant_summary([("gptq", gptq)], tmp_path)
     assert png is not None and png.stat().st_size > 1000, note
     [(_, png, note)] = plot_quant_summary([("adapt", adapt)], tmp_path)

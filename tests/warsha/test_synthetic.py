@@ -44,8 +44,15 @@ def test_bootstrap_batches_mix_copy_rows_deterministically() -> None:
 def test_weighted_loss_matches_float64_brute_force() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(cfg).double().eval()
     stream = torch.randint(3, 300, (5000,), generator=torch.Generator().manual_seed(1))
     batch = BootstrapBatches(stream, 6, 48, 0, 0.5, 1)(0, 0, 0)

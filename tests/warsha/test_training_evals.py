@@ -24,15 +24,28 @@ class TinyLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **_: Any) -> Any:
         logits = self.emb(input_ids)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                 labels[:, 1:].reshape(-1)) if labels is not None else None
+        loss = (
+            torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+            if labels is not None
+            else None
+        )
         return type("Out", (), {"logits": logits, "loss": loss})()
 
 
 def _ctx(root: Path) -> StageContext:
-    return StageContext(stage="t", stage_id="t", recipe=Recipe(name="t"), out_dir=root, inputs={},
-                        input_manifests={}, checkpoint_dir=root / "ckpt", tracker=Tracker(), device="cpu",
-                        seed=0, log=logging.getLogger("test"))
+    return StageContext(
+        stage="t",
+        stage_id="t",
+        recipe=Recipe(name="t"),
+        out_dir=root,
+        inputs={},
+        input_manifests={},
+        checkpoint_dir=root / "ckpt",
+        tracker=Tracker(),
+        device="cpu",
+        seed=0,
+        log=logging.getLogger("test"),
+    )
 
 
 def _batch(step: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
@@ -51,8 +64,9 @@ def _run(root: Path, steps: int, crash_at: int | None = None) -> Any:
         return {"loss": float(model(held_out, labels=held_out).loss)}
 
     torch.manual_seed(0)
-    p = TrainParams(steps=steps, batch_size=2, seq_len=8, lr=0.05, warmup_steps=0, checkpoint_every=2,
-                    eval_every=2, bf16=False)
+    p = TrainParams(
+        steps=steps, batch_size=2, seq_len=8, lr=0.05, warmup_steps=0, checkpoint_every=2, eval_every=2, bf16=False
+    )
     result = Trainer(model=TinyLM(), p=p, ctx=_ctx(root), batch_fn=_batch, eval_fn=eval_fn).run()
     assert not any(seen), "evaluation must run in eval mode"
     return result

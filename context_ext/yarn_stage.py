@@ -57,8 +57,13 @@ def resolve(base_cfg: dict[str, Any], p: "YarnParams") -> Plan:
     for method in dict.fromkeys([p.method, *p.baselines, *p.finetune_baselines]):
         try:
             configs[method] = suite.variant_config(
-                base_cfg, method, p.factor, p.original_max_position_embeddings, p.compose,
-                p.ntk_dynamic, yarn_opts,
+                base_cfg,
+                method,
+                p.factor,
+                p.original_max_position_embeddings,
+                p.compose,
+                p.ntk_dynamic,
+                yarn_opts,
             )
         except ValueError as exc:
             if method == p.method:
@@ -78,8 +83,15 @@ def _cached(path: Path, compute: Any) -> dict[str, Any]:
     return value
 
 
-def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int, source_lang: str | None = None,
-              source_tokens: int = 8192) -> suite.EvalData:
+def eval_data(
+    tokenizer: Any,
+    corpus: Any,
+    lang: str,
+    plan: Plan,
+    n_docs: int,
+    source_lang: str | None = None,
+    source_tokens: int = 8192,
+) -> suite.EvalData:
     """Held-out filler and perplexity documents (validation + test splits only).
 
     ``source_lang``: also at least ``source_tokens`` tokens of held-out text of the corpus's
@@ -96,8 +108,10 @@ def eval_data(tokenizer: Any, corpus: Any, lang: str, plan: Plan, n_docs: int, s
         try:
             source = longdata.long_documents(tokenizer, longdata.heldout_texts(corpus, source_lang), 1, need)
         except ValueError as err:
-            raise ValueError(f"short_eval_tokens: the {source_lang} held-out text has fewer than {need} tokens;"
-                             " lower short_eval_tokens or add validation/test text") from err
+            raise ValueError(
+                f"short_eval_tokens: the {source_lang} held-out text has fewer than {need} tokens;"
+                " lower short_eval_tokens or add validation/test text"
+            ) from err
     return suite.EvalData(PasskeyFormat(tokenizer), filler, ppl, source)
 
 
@@ -112,16 +126,26 @@ def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batc
         model = suite.load_variant(done, plan.configs[method], "float32")
         return model, json.loads((done / "summary.json").read_text())
     model = suite.load_variant(ctx.model_dir, plan.configs[method], "float32").train()
-    tp = TrainParams(steps=p.steps, batch_size=p.batch_size, seq_len=plan.target, lr=p.lr,
-                     warmup_steps=p.warmup_steps, grad_accum=p.grad_accum,
-                     checkpoint_every=p.checkpoint_every, bf16=p.bf16)
+    tp = TrainParams(
+        steps=p.steps,
+        batch_size=p.batch_size,
+        seq_len=plan.target,
+        lr=p.lr,
+        warmup_steps=p.warmup_steps,
+        grad_accum=p.grad_accum,
+        checkpoint_every=p.checkpoint_every,
+        bf16=p.bf16,
+    )
     torch.manual_seed(ctx.seed)
     trainer = Trainer(model, tp, ctx, batches, loss_fn=longdata.weighted_lm_loss, name=f"finetune-{method}")
     t0 = time.perf_counter()
     result = trainer.run()
-    summary = {**result.summary(), "train_time_s": time.perf_counter() - t0,
-               "s_per_step": (time.perf_counter() - t0) / max(len(result.losses), 1),
-               "loss_curve": loss_curve(result.losses)}
+    summary = {
+        **result.summary(),
+        "train_time_s": time.perf_counter() - t0,
+        "s_per_step": (time.perf_counter() - t0) / max(len(result.losses), 1),
+        "loss_curve": loss_curve(result.losses),
+    }
     model = trainer.model.eval()
     if ctx.is_main:
         model.save_pretrained(done)
@@ -172,9 +196,13 @@ def check_written(model_dir: Path) -> dict[str, Any]:
     diff = float((ours - ref.to(torch.float64)).abs().max())
     if diff > 1e-5 or abs(our_scale - ref_scale) > 1e-6:
         raise RuntimeError(f"{model_dir}/config.json: transformers derives different RoPE (max diff {diff})")
-    return {"inv_freq_max_abs_diff": diff, "attention_scaling": float(ref_scale), "rope_type": kind,
-            "max_position_embeddings": hf_cfg.max_position_embeddings,
-            "context_length": scaling.serving_length(cfg)}
+    return {
+        "inv_freq_max_abs_diff": diff,
+        "attention_scaling": float(ref_scale),
+        "rope_type": kind,
+        "max_position_embeddings": hf_cfg.max_position_embeddings,
+        "context_length": scaling.serving_length(cfg),
+    }
 
 
 def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
@@ -190,21 +218,46 @@ def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
         other = None  # a one-language corpus: nothing else to keep
     data = eval_data(tokenizer, corpus, lang, plan, p.ppl_documents, other, p.short_eval_tokens)
     # built before any evaluation, so a corpus that cannot feed the fine-tune fails in seconds
-    batches = longdata.make_batches(tokenizer, corpus, lang, plan.target, p.batch_size, p.retrieval_fraction,
-                                    ctx.seed, avoid_depths=p.depths, answer_weight=p.answer_weight,
-                                    copy_fraction=p.copy_fraction, start_len=plan.original, steps=p.steps,
-                                    curriculum=p.curriculum, lm_positions=p.lm_positions,
-                                    source_lang=other, source_fraction=p.source_fraction)
-    settings = suite.EvalSettings(plan.lengths, plan.short_lengths, list(p.depths), p.min_trials,
-                                  p.max_trials, p.ci_half_width, p.eval_batch_tokens, ctx.seed)
+    batches = longdata.make_batches(
+        tokenizer,
+        corpus,
+        lang,
+        plan.target,
+        p.batch_size,
+        p.retrieval_fraction,
+        ctx.seed,
+        avoid_depths=p.depths,
+        answer_weight=p.answer_weight,
+        copy_fraction=p.copy_fraction,
+        start_len=plan.original,
+        steps=p.steps,
+        curriculum=p.curriculum,
+        lm_positions=p.lm_positions,
+        source_lang=other,
+        source_fraction=p.source_fraction,
+    )
+    settings = suite.EvalSettings(
+        plan.lengths,
+        plan.short_lengths,
+        list(p.depths),
+        p.min_trials,
+        p.max_trials,
+        p.ci_half_width,
+        p.eval_batch_tokens,
+        ctx.seed,
+    )
     cache = ctx.checkpoint_dir / "eval"
     results: dict[str, dict[str, Any]] = {}
     for method in p.baselines:
         if method in plan.configs:
             name = suite.label(method, False)
             ctx.log.info("context_ext: evaluating %s", name)
-            results[name] = _cached(cache / f"{name}.json", lambda m=method, n=name: suite.evaluate(
-                suite.load_variant(ctx.model_dir, plan.configs[m], _eval_dtype(p)), tokenizer, data, settings, n))
+            results[name] = _cached(
+                cache / f"{name}.json",
+                lambda m=method, n=name: suite.evaluate(
+                    suite.load_variant(ctx.model_dir, plan.configs[m], _eval_dtype(p)), tokenizer, data, settings, n
+                ),
+            )
     train: dict[str, Any] = {}
     check: dict[str, Any] = {}
     for method in [p.method, *[m for m in p.finetune_baselines if m in plan.configs]]:
@@ -213,8 +266,10 @@ def run(ctx: "StageContext", p: "YarnParams") -> dict[str, Any]:
         if method == p.method and ctx.is_main:
             check = save_output(ctx, model, tokenizer, plan.configs[method])
         ctx.log.info("context_ext: evaluating %s", name)
-        results[name] = _cached(cache / f"{name}.json", lambda m=model, n=name: suite.evaluate(
-            m.to(_dtype(_eval_dtype(p))), tokenizer, data, settings, n))
+        results[name] = _cached(
+            cache / f"{name}.json",
+            lambda m=model, n=name: suite.evaluate(m.to(_dtype(_eval_dtype(p))), tokenizer, data, settings, n),
+        )
         del model
     return summarise(ctx, p, plan, results, train, check)
 
@@ -232,11 +287,19 @@ def _dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
-def summarise(ctx: "StageContext", p: "YarnParams", plan: Plan, results: dict[str, Any],
-              train: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
+def summarise(
+    ctx: "StageContext",
+    p: "YarnParams",
+    plan: Plan,
+    results: dict[str, Any],
+    train: dict[str, Any],
+    check: dict[str, Any],
+) -> dict[str, Any]:
     """Metrics dict, markdown table and plot (the latter two written into the output dir)."""
     short = suite.short_context_ratios(results, plan.short_lengths) if "none" in results else {}
-    short_source = suite.short_context_ratios(results, plan.short_lengths, "perplexity_source") if "none" in results else {}
+    short_source = (
+        suite.short_context_ratios(results, plan.short_lengths, "perplexity_source") if "none" in results else {}
+    )
     if ctx.is_main:
         md = report.table(results, plan.lengths, short, plan.original, short_source)
         (ctx.out_dir / "context_ext.md").write_text(f"# Context extension ({p.method}, factor {plan.factor:g})\n\n{md}")

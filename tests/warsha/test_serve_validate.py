@@ -14,9 +14,19 @@ from warsha.config import parse_recipe
 def test_validate_stage_with_self_draft(tiny_artifact: Path, tmp_path: Path) -> None:
     data = tiny_recipe()
     data["base"] = str(tiny_artifact)
-    data["stages"] = [{"stage": "serve.validate", "inputs": {"draft": str(tiny_artifact)},
-                       "params": {"num_prompts": 3, "prompt_tokens": 8, "max_tokens": 12,
-                                  "num_speculative_tokens": 3, "batch_sizes": [1, 3]}}]
+    data["stages"] = [
+        {
+            "stage": "serve.validate",
+            "inputs": {"draft": str(tiny_artifact)},
+            "params": {
+                "num_prompts": 3,
+                "prompt_tokens": 8,
+                "max_tokens": 12,
+                "num_speculative_tokens": 3,
+                "batch_sizes": [1, 3],
+            },
+        }
+    ]
     recipe = parse_recipe(data)
     pipeline.Runner(recipe, tmp_path).run(pipeline.plan(recipe, tmp_path), {0})
     m = artifacts.read_manifest(tmp_path / "validate")["metrics"]
@@ -40,7 +50,7 @@ def test_validate_requires_a_draft_input() -> None:
 
 
 def test_first_difference() -> None:
-    from warsha.validate import first_difference
+    from warsha.serve_validate import first_difference
 
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
@@ -64,7 +74,7 @@ class _FakeEngine:
 
 
 def test_top2_gap_names_only_flips_between_the_two_best_tokens() -> None:
-    from warsha.validate import top2_gap
+    from warsha.serve_validate import top2_gap
 
     engine = _FakeEngine({7: -1.0000, 9: -1.0002, 4: -3.0})
     assert top2_gap(engine, [1, 2], {7, 9}) == pytest.approx(2e-4)
@@ -75,7 +85,7 @@ def test_top2_gap_names_only_flips_between_the_two_best_tokens() -> None:
 
 
 def test_compare_outputs_separates_near_ties_from_real_mismatches() -> None:
-    from warsha.validate import compare_outputs
+    from warsha.serve_validate import compare_outputs
 
     prompts = [[1], [1], [1]]
     plain = [[5, 7, 8], [5, 6, 6], [5, 7, 3]]

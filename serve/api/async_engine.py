@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.api_metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram, MetricsSnapshot
+from serve.api.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram, MetricsSnapshot
 from serve.engine import LLM, RequestOutput
 from serve.sampler import SamplingParams
 from serve.scheduler import AdmissionError
@@ -120,7 +120,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counters = _Counters()
-        self.snapshot = MetricsSnapshot(model_name, num_kv_blocks=llm.block_manager.num_blocks, num_free_kv_blocks=llm.block_manager.num_free_blocks)
+        self.snapshot = MetricsSnapshot(
+            model_name, num_kv_blocks=llm.block_manager.num_blocks, num_free_kv_blocks=llm.block_manager.num_free_blocks
+        )
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -178,7 +180,14 @@ class AsyncEngine:
             self._publish()
         self._fail_all(EngineError("the server is shutting down"))
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue, future: asyncio.Future) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue,
+        future: asyncio.Future,
+    ) -> None:
         try:
             self.llm.add_request(prompt_ids, params, request_id)
         except Exception as exc:  # AdmissionError/ValueError are the client's; anything else is ours (500)
@@ -268,7 +277,11 @@ class AsyncEngine:
 
         def apply() -> None:
             for fn, arg in calls:
-                if getattr(fn, "__self__", None) is not None and isinstance(fn.__self__, asyncio.Future) and fn.__self__.done():
+                if (
+                    getattr(fn, "__self__", None) is not None
+                    and isinstance(fn.__self__, asyncio.Future)
+                    and fn.__self__.done()
+                ):
                     continue  # the handler was cancelled while waiting for admission
                 fn(arg)
 

@@ -3,7 +3,7 @@
     python -m serve ARTIFACT_DIR [--draft DIR] [--port 8000]     (or: warsha serve ...)
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. The engine
-runs in one background thread (`serve.api_engine`); handlers validate, admit, then relay the
+runs in one background thread (`serve.api.async_engine`); handlers validate, admit, then relay the
 engine's deltas. A client that goes away, streaming or not, aborts its request so its KV
 blocks return to the pool at once instead of after max_tokens more steps.
 """
@@ -24,12 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.api_chat import ChatTemplate, ChatTemplateError
-from serve.api_cli import main  # noqa: F401  (re-exported: serve.api.main is the documented entry point)
-from serve.api_engine import AsyncEngine, Delta, EngineError
-from serve.api_format import Formatter
-from serve.api_metrics import render
-from serve.api_protocol import (
+from serve.api.async_engine import AsyncEngine, Delta, EngineError
+from serve.api.chat_template import ChatTemplate, ChatTemplateError
+from serve.api.formatting import Formatter
+from serve.api.metrics import render
+from serve.api.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,18 +79,30 @@ class Server:
     # ----------------------------------------------------------------- validation
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist here; this server serves {self.model_name!r} (see /v1/models)",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist here; this server serves {self.model_name!r} (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ApiError(400, f"batched prompts are not supported (got {len(prompt)}); send one request per prompt",
-                               param="prompt", code="unsupported_parameter")
+                raise ApiError(
+                    400,
+                    f"batched prompts are not supported (got {len(prompt)}); send one request per prompt",
+                    param="prompt",
+                    code="unsupported_parameter",
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             if self.llm.tokenizer is None:
-                raise ApiError(400, "the model has no tokenizer.json, so text prompts cannot be encoded; send token ids", param="prompt")
+                raise ApiError(
+                    400,
+                    "the model has no tokenizer.json, so text prompts cannot be encoded; send token ids",
+                    param="prompt",
+                )
             ids = self.llm.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -100,20 +111,33 @@ class Server:
         vocab = self.llm.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt", code="invalid_value")
+            raise ApiError(
+                400,
+                f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                param="prompt",
+                code="invalid_value",
+            )
         return ids
 
     # ----------------------------------------------------------------- endpoints
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
         self._check_model(req.model)
-        refuse_unsupported(req, {
-            "echo": (req.echo, "echo is not supported; the prompt is not returned with the completion"),
-            "best_of": (req.best_of not in (None, 1), "best_of > 1 is not supported"),
-            "suffix": (bool(req.suffix), "suffix (insertion) is not supported"),
-        })
+        refuse_unsupported(
+            req,
+            {
+                "echo": (req.echo, "echo is not supported; the prompt is not returned with the completion"),
+                "best_of": (req.best_of not in (None, 1), "best_of > 1 is not supported"),
+                "suffix": (bool(req.suffix), "suffix (insertion) is not supported"),
+            },
+        )
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", param="logprobs", code="invalid_value")
+            raise ApiError(
+                400,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+                param="logprobs",
+                code="invalid_value",
+            )
         ids = self._prompt_ids(req.prompt)
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), self.llm.max_model_len, "max_tokens")
         params = sampling_params(req, max_tokens, req.logprobs)
@@ -123,18 +147,30 @@ class Server:
         req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
         self._check_model(req.model)
         fmt = (req.response_format or {}).get("type", "text")
-        refuse_unsupported(req, {
-            "tools": (bool(req.tools), "tools (function calling) are not supported"),
-            "tool_choice": (req.tool_choice not in (None, "none"), "tool_choice is not supported"),
-            "response_format": (fmt != "text", f"response_format type {fmt!r} is not supported; only 'text' is"),
-        })
+        refuse_unsupported(
+            req,
+            {
+                "tools": (bool(req.tools), "tools (function calling) are not supported"),
+                "tool_choice": (req.tool_choice not in (None, "none"), "tool_choice is not supported"),
+                "response_format": (fmt != "text", f"response_format type {fmt!r} is not supported; only 'text' is"),
+            },
+        )
         if req.top_logprobs is not None and not (req.logprobs and 0 <= req.top_logprobs <= MAX_LOGPROBS):
-            raise ApiError(400, f"top_logprobs needs logprobs=true and must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                           param="top_logprobs", code="invalid_value")
+            raise ApiError(
+                400,
+                f"top_logprobs needs logprobs=true and must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         try:
             ids = self.chat_template.encode(chat_messages(req), req.add_generation_prompt)
         except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages", code="chat_template_missing" if not self.chat_template.available else "invalid_value") from exc
+            raise ApiError(
+                400,
+                str(exc),
+                param="messages",
+                code="chat_template_missing" if not self.chat_template.available else "invalid_value",
+            ) from exc
         if not ids:
             raise ApiError(400, "the chat template rendered an empty prompt", param="messages", code="invalid_value")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -144,13 +180,20 @@ class Server:
         return await self._generate(request, "chatcmpl", True, ids, params, req)
 
     def models(self) -> dict[str, Any]:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "warsha",
-                "max_model_len": self.llm.max_model_len}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "warsha",
+            "max_model_len": self.llm.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     def health(self) -> JSONResponse:
         if not self.engine.alive:
-            return JSONResponse(ApiError(503, "the engine thread is not running", code="engine_down").body(), status_code=503)
+            return JSONResponse(
+                ApiError(503, "the engine thread is not running", code="engine_down").body(), status_code=503
+            )
         return JSONResponse({"status": "ok"})
 
     # ----------------------------------------------------------------- generation
@@ -164,7 +207,9 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
 
-    async def _generate(self, request: Request, prefix: str, chat: bool, ids: list[int], params: SamplingParams, req: Any) -> Response:
+    async def _generate(
+        self, request: Request, prefix: str, chat: bool, ids: list[int], params: SamplingParams, req: Any
+    ) -> Response:
         rid = f"{prefix}-{uuid.uuid4().hex}"
         top_n = params.logprobs
         decode = self.llm.tokenizer.decode if self.llm.tokenizer is not None else (lambda ids_: "")
@@ -227,6 +272,7 @@ class Server:
         log.info("client disconnected; request aborted")
         return Response(status_code=499)
 
+
 def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
@@ -250,7 +296,10 @@ def build_app(llm: LLM, model_name: str, model_dir: str | Path) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}").body(), status_code=exc.status_code)
+        return JSONResponse(
+            ApiError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}").body(),
+            status_code=exc.status_code,
+        )
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, exc: Exception) -> JSONResponse:
@@ -261,6 +310,11 @@ def build_app(llm: LLM, model_name: str, model_dir: str | Path) -> FastAPI:
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/metrics", lambda: PlainTextResponse(render(server.engine.snapshot), media_type="text/plain; version=0.0.4; charset=utf-8"), methods=["GET"])
+    app.add_api_route(
+        "/metrics",
+        lambda: PlainTextResponse(
+            render(server.engine.snapshot), media_type="text/plain; version=0.0.4; charset=utf-8"
+        ),
+        methods=["GET"],
+    )
     return app
-

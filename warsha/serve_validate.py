@@ -40,10 +40,15 @@ class ValidateParams:
     num_speculative_tokens: int = field(default=4, metadata=check(ge(1)))
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     dtype: Literal["bfloat16", "float32"] = field(
-        default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties"))
+        default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties")
+    )
     kv_cache_memory_gb: float = field(default=0.5, metadata=check(help="KV pool size per engine"))
-    tie_tolerance: float = field(default=1e-2, metadata=check(
-        ge(0.0), help="a divergence between the target's two best tokens closer than this (nats) is a near-tie flip"))
+    tie_tolerance: float = field(
+        default=1e-2,
+        metadata=check(
+            ge(0.0), help="a divergence between the target's two best tokens closer than this (nats) is a near-tie flip"
+        ),
+    )
 
     def validate(self) -> list[str]:
         """Batch sizes must be positive."""
@@ -87,24 +92,42 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
     from serve.engine import LLM
 
     prompts = workload(ctx, p)
-    metrics: dict[str, Any] = {"num_prompts": len(prompts), "prompt_tokens": p.prompt_tokens,
-                               "max_tokens": p.max_tokens, "k": p.num_speculative_tokens}
+    metrics: dict[str, Any] = {
+        "num_prompts": len(prompts),
+        "prompt_tokens": p.prompt_tokens,
+        "max_tokens": p.max_tokens,
+        "k": p.num_speculative_tokens,
+    }
     identical, real = True, 0
     for bs in p.batch_sizes:
         common = {"dtype": p.dtype, "max_num_seqs": bs, "kv_cache_memory_gb": p.kv_cache_memory_gb}
         plain_engine = LLM(ctx.model_dir, **common)
         plain_out, plain = run_engine(plain_engine, prompts, p.max_tokens)
-        spec_engine = LLM(ctx.model_dir, ctx.inputs["draft"], num_speculative_tokens=p.num_speculative_tokens,
-                          adaptive_speculation=False, **common)
+        spec_engine = LLM(
+            ctx.model_dir,
+            ctx.inputs["draft"],
+            num_speculative_tokens=p.num_speculative_tokens,
+            adaptive_speculation=False,
+            **common,
+        )
         spec_out, spec = run_engine(spec_engine, prompts, p.max_tokens)
         result = compare_outputs(plain_engine, prompts, plain_out, spec_out, p.tie_tolerance)
         identical &= not result["mismatched_requests"]
         real += result["mismatched_requests"] - result["near_tie_flips"]
-        metrics[f"batch{bs}"] = {"plain": plain, "speculative": spec,
-                                 "speedup": spec["output_tokens_per_s"] / plain["output_tokens_per_s"], **result}
-        ctx.log.info("serve.validate batch %d: acceptance %.3f, speedup %.2fx, %d diverged (%d at near-ties)", bs,
-                     spec["acceptance_rate"] or 0.0, metrics[f"batch{bs}"]["speedup"],
-                     result["mismatched_requests"], result["near_tie_flips"])
+        metrics[f"batch{bs}"] = {
+            "plain": plain,
+            "speculative": spec,
+            "speedup": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
+            **result,
+        }
+        ctx.log.info(
+            "serve.validate batch %d: acceptance %.3f, speedup %.2fx, %d diverged (%d at near-ties)",
+            bs,
+            spec["acceptance_rate"] or 0.0,
+            metrics[f"batch{bs}"]["speedup"],
+            result["mismatched_requests"],
+            result["near_tie_flips"],
+        )
     metrics["outputs_identical"] = identical
     metrics["outputs_match"] = real == 0
     if ctx.is_main:
@@ -112,16 +135,20 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
     return metrics
 
 
-def compare_outputs(engine: Any, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]],
-                    tolerance: float) -> dict[str, Any]:
+def compare_outputs(
+    engine: Any, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]], tolerance: float
+) -> dict[str, Any]:
     """Diverged requests, how many of them are near-tie flips, and where each diverged."""
     found = [(i, j) for i, (a, b) in enumerate(zip(plain, spec)) if (j := first_difference(a, b)) is not None]
-    gaps = [top2_gap(engine, prompts[i] + plain[i][:j], set(plain[i][j:j + 1] + spec[i][j:j + 1])) for i, j in found]
+    gaps = [
+        top2_gap(engine, prompts[i] + plain[i][:j], set(plain[i][j : j + 1] + spec[i][j : j + 1])) for i, j in found
+    ]
     return {
         "mismatched_requests": len(found),
         "near_tie_flips": sum(g <= tolerance for g in gaps),
-        "divergences": [{"request": i, "token": j, "top2_gap": g if g != float("inf") else None}
-                        for (i, j), g in zip(found, gaps)],
+        "divergences": [
+            {"request": i, "token": j, "top2_gap": g if g != float("inf") else None} for (i, j), g in zip(found, gaps)
+        ],
     }
 
 
@@ -150,14 +177,19 @@ def top2_gap(engine: Any, prefix: list[int], chosen: set[int]) -> float:
 
 def _write_summary(ctx: StageContext, metrics: dict[str, Any]) -> None:
     """A small readable record in the artifact (the manifest holds the full numbers)."""
-    lines = ["| batch | acceptance | mean accepted length | TTFT p50 (s) | TPOT p50 (s) | tok/s plain | tok/s spec | speedup | match |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| batch | acceptance | mean accepted length | TTFT p50 (s) | TPOT p50 (s) | tok/s plain | tok/s spec "
+        "| speedup | match |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key, m in metrics.items():
         if key.startswith("batch") and isinstance(m, dict):
             s, q = m["speculative"], m["plain"]
-            lines.append(f"| {key[5:]} | {s['acceptance_rate'] or 0:.3f} | {s['mean_accepted_length'] or 0:.2f} | "
-                         f"{s['ttft_p50'] or 0:.4f} | {s['tpot_p50'] or 0:.4f} | {q['output_tokens_per_s']:.1f} | "
-                         f"{s['output_tokens_per_s']:.1f} | {m['speedup']:.2f} | {_match_cell(m)} |")
+            lines.append(
+                f"| {key[5:]} | {s['acceptance_rate'] or 0:.3f} | {s['mean_accepted_length'] or 0:.2f} | "
+                f"{s['ttft_p50'] or 0:.4f} | {s['tpot_p50'] or 0:.4f} | {q['output_tokens_per_s']:.1f} | "
+                f"{s['output_tokens_per_s']:.1f} | {m['speedup']:.2f} | {_match_cell(m)} |"
+            )
     (ctx.out_dir / "serve_validate.md").write_text("\n".join(lines) + "\n")
 
 
@@ -172,7 +204,7 @@ def _match_cell(m: dict[str, Any]) -> str:
 STAGE = StageDef(
     name="serve.validate",
     params=ValidateParams,
-    run=run,
+    entry="warsha.serve_validate:run",
     description="serve target and draft with the bundled engine: acceptance, TTFT, TPOT, output equality",
     inputs=("model", "draft"),
 )

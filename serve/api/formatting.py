@@ -9,18 +9,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from serve.api_engine import Delta
+from serve.api.async_engine import Delta
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """The `usage` object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class Formatter:
     """Builds the bodies of one request; `chat` selects the chat.completion shapes."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, created: int, decode: Callable[[list[int]], str], top_n: int | None) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        created: int,
+        decode: Callable[[list[int]], str],
+        top_n: int | None,
+    ) -> None:
         self.chat = chat
         self.id = request_id
         self.model = model
@@ -77,7 +89,12 @@ class Formatter:
         """Chat streams open with the assistant role, as OpenAI's do."""
         if not self.chat:
             return []
-        return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}, include_usage)]
+        return [
+            self._chunk(
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
+                include_usage,
+            )
+        ]
 
     def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
         """Stream chunks for one delta (none when it carries no visible change)."""
@@ -85,18 +102,42 @@ class Formatter:
         out = []
         if self.chat:
             if d.text or lp:
-                out.append(self._chunk({"index": 0, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}, include_usage))
+                out.append(
+                    self._chunk(
+                        {"index": 0, "delta": {"content": d.text}, "logprobs": lp, "finish_reason": None}, include_usage
+                    )
+                )
             if d.finished:
-                out.append(self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}, include_usage))
+                out.append(
+                    self._chunk(
+                        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}, include_usage
+                    )
+                )
         elif d.text or lp or d.finished:
-            out.append(self._chunk({"index": 0, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason if d.finished else None}, include_usage))
+            out.append(
+                self._chunk(
+                    {
+                        "index": 0,
+                        "text": d.text,
+                        "logprobs": lp,
+                        "finish_reason": d.finish_reason if d.finished else None,
+                    },
+                    include_usage,
+                )
+            )
         return out
 
     def usage_chunk(self, last: Delta) -> dict[str, Any]:
         """The final `stream_options.include_usage` chunk: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(last.prompt_tokens, last.completion_tokens)}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(last.prompt_tokens, last.completion_tokens),
+        }
 
     # ----------------------------------------------------------------- whole response
     def response(self, deltas: list[Delta]) -> dict[str, Any]:
@@ -107,10 +148,21 @@ class Formatter:
         entries = [e for d in deltas for e in d.logprobs]
         lp = self._logprobs(ids, entries) if self.top_n is not None else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": last.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": last.finish_reason,
+            }
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": last.finish_reason}
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(last.prompt_tokens, last.completion_tokens)}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(last.prompt_tokens, last.completion_tokens),
+        }

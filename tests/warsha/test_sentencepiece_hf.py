@@ -8,7 +8,7 @@ import sentencepiece as spm
 
 from warsha.bootstrap import DEFAULT_TOKENIZER, tokenizer_file
 from warsha.data import DataConfig, load_corpus
-from warsha.sp_convert import sp_model_to_hf
+from warsha.sentencepiece_hf import sp_model_to_hf
 
 EDGE_CASES = ["", " ", "  x", "a\nb  c", "tab\there", "🙂 emoji", "ＡＢＣ", "1234567", "\u0600\u06ff", "end "]
 

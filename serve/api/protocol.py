@@ -22,7 +22,9 @@ log = logging.getLogger("serve.api")
 class ApiError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -115,7 +117,9 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']} (got {first.get('input')!r})", param=param, code="invalid_value") from exc
+        raise ApiError(
+            400, f"{param}: {first['msg']} (got {first.get('input')!r})", param=param, code="invalid_value"
+        ) from exc
 
 
 def refuse_unsupported(req: _Common, extra: dict[str, Any]) -> None:
@@ -186,8 +190,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             texts = []
             for part in msg.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}",
-                                   param=f"messages.{i}.content", code="unsupported_parameter")
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}",
+                        param=f"messages.{i}.content",
+                        code="unsupported_parameter",
+                    )
                 texts.append(part["text"])
             data["content"] = "\n".join(texts)
         data.setdefault("content", "")

@@ -73,12 +73,18 @@ def _fmt(value: float) -> str:
 
 
 def _labels(**labels: str) -> str:
-    escaped = (f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels.items())
+    escaped = (
+        f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels.items()
+    )
     return "{" + ",".join(escaped) + "}"
 
 
 def _scalar(lines: list[str], name: str, kind: str, help_text: str, value: float, model: str) -> None:
-    lines += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} {kind}", f"{PREFIX}_{name}{_labels(model_name=model)} {_fmt(value)}"]
+    lines += [
+        f"# HELP {PREFIX}_{name} {help_text}",
+        f"# TYPE {PREFIX}_{name} {kind}",
+        f"{PREFIX}_{name}{_labels(model_name=model)} {_fmt(value)}",
+    ]
 
 
 def _histogram(lines: list[str], name: str, help_text: str, hist: Histogram, model: str) -> None:
@@ -97,21 +103,61 @@ def render(s: MetricsSnapshot) -> str:
     """The snapshot in Prometheus text format."""
     m, lines = s.model_name, []
     _scalar(lines, "num_requests_running", "gauge", "Requests in the running batch.", s.num_running, m)
-    _scalar(lines, "num_requests_waiting", "gauge", "Requests queued for admission (including preempted ones).", s.num_waiting, m)
+    _scalar(
+        lines,
+        "num_requests_waiting",
+        "gauge",
+        "Requests queued for admission (including preempted ones).",
+        s.num_waiting,
+        m,
+    )
     _scalar(lines, "kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0..1).", s.kv_usage, m)
     _scalar(lines, "kv_cache_blocks", "gauge", "KV cache blocks in the pool.", s.num_kv_blocks, m)
     _scalar(lines, "kv_cache_free_blocks", "gauge", "KV cache blocks no request holds.", s.num_free_kv_blocks, m)
-    _scalar(lines, "num_preemptions_total", "counter", "Requests preempted (blocks freed, recomputed later).", s.num_preemptions, m)
+    _scalar(
+        lines,
+        "num_preemptions_total",
+        "counter",
+        "Requests preempted (blocks freed, recomputed later).",
+        s.num_preemptions,
+        m,
+    )
     _scalar(lines, "prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", s.prompt_tokens, m)
     _scalar(lines, "generation_tokens_total", "counter", "Generated tokens.", s.generation_tokens, m)
     _scalar(lines, "spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", s.spec_proposed, m)
-    _scalar(lines, "spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted by the target.", s.spec_accepted, m)
+    _scalar(
+        lines,
+        "spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted by the target.",
+        s.spec_accepted,
+        m,
+    )
     rate = s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0
-    _scalar(lines, "spec_decode_acceptance_rate", "gauge", "Accepted / proposed draft tokens since start (0 without a draft).", rate, m)
-    lines += [f"# HELP {PREFIX}_request_success_total Finished requests by finish reason.", f"# TYPE {PREFIX}_request_success_total counter"]
+    _scalar(
+        lines,
+        "spec_decode_acceptance_rate",
+        "gauge",
+        "Accepted / proposed draft tokens since start (0 without a draft).",
+        rate,
+        m,
+    )
+    lines += [
+        f"# HELP {PREFIX}_request_success_total Finished requests by finish reason.",
+        f"# TYPE {PREFIX}_request_success_total counter",
+    ]
     for reason in FINISH_REASONS:
-        lines.append(f"{PREFIX}_request_success_total{_labels(model_name=m, finished_reason=reason)} {s.finished.get(reason, 0)}")
-    _scalar(lines, "request_rejected_total", "counter", "Requests refused at admission because the queue was full.", s.rejected, m)
+        lines.append(
+            f"{PREFIX}_request_success_total{_labels(model_name=m, finished_reason=reason)} {s.finished.get(reason, 0)}"
+        )
+    _scalar(
+        lines,
+        "request_rejected_total",
+        "counter",
+        "Requests refused at admission because the queue was full.",
+        s.rejected,
+        m,
+    )
     _histogram(lines, "time_to_first_token_seconds", "Time from arrival to the first generated token.", s.ttft, m)
     _histogram(lines, "time_per_output_token_seconds", "Mean time between output tokens, per request.", s.tpot, m)
     _histogram(lines, "e2e_request_latency_seconds", "Time from arrival to the last token.", s.e2e, m)

@@ -1,4 +1,4 @@
-"""Acceptance-rate metrics for speculative decoding, defined once (DESIGN.md section 6).
+"""Acceptance-rate metrics for speculative decoding, defined once (docs/metrics.md).
 
 Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) lets a cheap draft propose ``k``
 tokens that the target verifies in one forward pass. A proposal ``x ~ q`` is kept with
@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -58,8 +59,7 @@ def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
 
 def best_window(alpha: float, cost_ratio: float, max_k: int = 8) -> tuple[int, float]:
     """The ``k`` in 1..max_k with the highest expected speedup, and that speedup."""
-    return max(((k, expected_speedup(alpha, k, cost_ratio)) for k in range(1, max_k + 1)),
-               key=lambda kv: kv[1])
+    return max(((k, expected_speedup(alpha, k, cost_ratio)) for k in range(1, max_k + 1)), key=lambda kv: kv[1])
 
 
 def _check_alpha(alpha: float) -> None:
@@ -233,8 +233,8 @@ def speculative_generate(
         while len(seq) - len(prompt) < max_new_tokens:
             proposed, q = _propose(draft, dcache, seq, k, temperature, generator)
             base = len(seq)
-            ids = torch.tensor([seq[tcache.get_seq_length():] + proposed.tolist()])
-            lt = target(input_ids=ids, past_key_values=tcache, use_cache=True).logits[0, -(k + 1):]
+            ids = torch.tensor([seq[tcache.get_seq_length() :] + proposed.tolist()])
+            lt = target(input_ids=ids, past_key_values=tcache, use_cache=True).logits[0, -(k + 1) :]
             p = probs(lt, temperature)
             n, nxt = verify(p, q, proposed, generator)
             _record(run, p, q, n)
@@ -358,7 +358,9 @@ def empirical_acceptance(
     return out
 
 
-def plain_tokens_per_s(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, seed: int = 0) -> float:
+def plain_tokens_per_s(
+    model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, seed: int = 0
+) -> float:
     """Decode speed of the target alone (batch 1, KV cache, same sampling) on the same
     prompts: the wall-clock reference a speculative run's ``tokens_per_s`` is compared with."""
     import torch

@@ -1,0 +1,159 @@
+"""Command line of the HTTP server: `python -m serve ARTIFACT_DIR ...` and `warsha serve ...`.
+
+Kept free of heavy imports so `--help` answers at once; `serve.api.main` parses with this
+parser, loads the engine, then runs uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+EXAMPLES = """examples:
+  python -m serve runs/arabic-tiny/gptq --draft runs/arabic-tiny/draft --port 8000
+  warsha serve runs/arabic-tiny/gptq --served-model-name warsha-ar --kv-cache-memory-gb 2
+then:
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "warsha-ar", "prompt": "مرحبا", "max_tokens": 32, "temperature": 0}'
+"""
+
+
+def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
+    """The server's argument parser (shared by `python -m serve` and `warsha serve`)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve an HF-format Llama-family model directory over an OpenAI-compatible HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) with Warsha's CPU engine.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("artifact_dir", type=Path, help="model directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument(
+        "--draft", type=Path, default=None, help="draft model directory for speculative decoding (same tokenizer)"
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; 0.0.0.0 exposes the server to the network (default: %(default)s)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument(
+        "--served-model-name", default=None, help="the name clients pass as `model` (default: the directory name)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for Triton kernels on a GPU (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="weight and KV dtype (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=1.0,
+        help="memory for the paged KV cache, GiB (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory-gb)"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + completion served (default: the model's)"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default: %(default)s)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="token budget of one step: prefill chunks + decodes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=4096,
+        help="queue length beyond which new requests get HTTP 429 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-tokens-in-flight",
+        type=int,
+        default=None,
+        help="cap on the sum of prompt + max_tokens over queued and running requests; beyond it 429",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="draft tokens proposed per step with --draft (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-adaptive-speculation",
+        action="store_true",
+        help="always speculate instead of switching off a draft that does not pay",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="disable reuse of cached KV blocks across requests with a shared prefix",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the engine's default sampler (requests may pass their own seed)"
+    )
+    p.add_argument(
+        "--int4-activations",
+        default="int8",
+        choices=["int8", "float"],
+        help="int4 checkpoints on CPU: round decode activations to int8 per 32 features (about twice as fast)"
+        " or keep them float32 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads for the engine (default: torch's choice)"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (default: %(default)s)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
+    """Parse flags, load the engine, serve until interrupted; 2 on bad input."""
+    args = build_parser(prog).parse_args(argv)  # before the heavy imports: --help stays instant
+    for flag, path in (("ARTIFACT_DIR", args.artifact_dir), ("--draft", args.draft)):
+        if path is not None and not (path / "config.json").is_file():
+            print(f"error: {flag} {path}: no config.json there; give an HF-format model directory", file=sys.stderr)
+            return 2
+    import uvicorn
+
+    from serve.api.app import build_app, log
+    from serve.args import EngineArgs
+    from serve.engine import LLM
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    try:
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        llm = LLM(args.artifact_dir, args.draft, EngineArgs.from_namespace(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.artifact_dir.resolve().name
+    log.info(
+        "serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, max_model_len %d)",
+        args.artifact_dir,
+        name,
+        args.host,
+        args.port,
+        llm.block_manager.num_blocks,
+        llm.block_manager.block_size,
+        llm.max_model_len,
+    )
+    uvicorn.run(build_app(llm, name, args.artifact_dir), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

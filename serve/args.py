@@ -1,0 +1,81 @@
+"""`EngineArgs`: every option of the engine in one dataclass, checked before anything loads.
+
+`LLM(model_dir, draft_dir, **kwargs)` builds one from its keyword arguments, and the HTTP
+server builds one from its flags (`EngineArgs.from_namespace`), so the engine, the server and
+the benchmarks share one list of options with one set of defaults and one error per bad value.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+ENGINE_DTYPES = ("bfloat16", "float32")
+DEVICES = ("cpu", "cuda")
+INT4_ACTIVATIONS = ("int8", "float")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Options of one engine (target, optional draft, KV cache, scheduler, speculation).
+
+    `num_kv_blocks` overrides the `kv_cache_memory_gb` budget. `draft_vocab_size`: None uses
+    the draft's `draft_vocab.json` as written, N keeps its N most frequent ids, 0 ignores the
+    file. `attention_backend`: None picks by device (torch on CPU, Triton on CUDA); "triton"
+    on CPU runs only under TRITON_INTERPRET=1. `int4_activations`: how int4 checkpoints
+    multiply small batches on CPU ("int8": activations rounded per 32 features; "float").
+    """
+
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 4096
+    max_tokens_in_flight: int | None = None
+    enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 4
+    adaptive_speculation: bool = True
+    seed: int = 0
+    draft_vocab_size: int | None = None
+    attention_backend: str | None = None
+    int4_activations: str = "int8"
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every invalid option, each naming the field and what would fix it."""
+        out = []
+        if self.dtype not in ENGINE_DTYPES:
+            out.append(f"dtype={self.dtype!r} is not supported; use one of {', '.join(ENGINE_DTYPES)}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            out.append(f"device={self.device!r} is not supported; use cpu or cuda")
+        if self.int4_activations not in INT4_ACTIVATIONS:
+            out.append(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_speculative_tokens < 1:
+            out.append(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.num_kv_blocks is None and not self.kv_cache_memory_gb > 0:
+            out.append(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            out.append(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
+            out.append(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
+        return out
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "EngineArgs":
+        """Options from parsed server flags: every field whose name is an attribute of `ns`,
+        plus the two negated switches (`--no-prefix-caching`, `--no-adaptive-speculation`)."""
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        values["enable_prefix_caching"] = not getattr(ns, "no_prefix_caching", False)
+        values["adaptive_speculation"] = not getattr(ns, "no_adaptive_speculation", False)
+        return cls(**values)

@@ -1,46 +1,39 @@
 """Write a copy of a base model that retrieves a passkey at its own context, as real bases do.
 
 Why: the YaRN paper extends Llama-2, which already finds a passkey anywhere in its 4k window;
-extension then only has to carry that skill to longer positions. The demo's 19M bootstrap
-never learned to retrieve (0% at 1x: it has no induction circuit, and its minutes of training
-do not grow one), so on it the passkey table measures nothing about the extension. This script
-trains a copy of the base, at lengths up to its original context only, on rows that grow the
-circuit quickly, so that ``benchmarks/context_bench.py`` can ask the question the issue asks:
-does YaRN (or PI, or NTK) with at most 200 fine-tuning steps keep retrieval at 4x and 8x?
+extension then only has to carry that skill to longer positions. The demo's small bootstrap
+has no induction circuit, so on it the passkey table measures nothing about the extension. This
+script trains a copy of the base, at lengths up to its original context only, on rows that grow
+the circuit quickly, so that ``benchmarks/context_bench.py`` can measure whether YaRN (or PI,
+or NTK) with a short fine-tune keeps retrieval at 4x and 8x.
 
 Rows (each step holds ``--tokens`` tokens; row length drawn from ``--lengths``):
 - passkey rows: ``context_ext.passkey`` training samples (training keys and depths, train-split
   filler; the evaluation's keys, depths and held-out filler never appear), loss on the answer
   and on the needle's second mention of the key;
-- digit rows: a random digit string repeated to fill the row, loss on every repeated digit.
-  Measured on the demo bootstrap at 64-token rows: passkey rows alone taught the key's first
-  digit (90%) in 100 steps but the later digits stayed near chance (20-30%) for 400 steps at lr
-  3e-3; with half the rows digit rows the later digits reached 55-85% in 400 steps at lr 1e-3;
+- digit rows: a random digit string repeated to fill the row, loss on every repeated digit:
+  the densest copy signal, which is what lets the later digits of a key be learned at all;
 - corpus rows (``--lm-fraction``): plain next-token loss on train-split text, to keep the language.
 
 The copy circuit forms in a sudden phase change whose timing depends on the data order, so
-the middle phase trains until the accuracy at the context passes ``--stop-at``. The stand-in
-behind the README's yarn rows was grown from the demo's 240-step bootstrap with these commands
-(2 threads, about 45 minutes in all; accuracy at 256 tokens on 40 evaluation prompts)::
+the middle phase trains until the accuracy at the context passes ``--stop-at``, and the rate
+stays constant while it forms (``--schedule constant``; a decaying rate stalls it). The stand-in
+behind the README's yarn rows is grown from the demo's bootstrap in four phases (what each phase
+reached is in docs/results.md)::
 
     S=".venv/bin/python benchmarks/retrieval_standin.py"
     $S --model runs/arabic-tiny/bootstrap --out /tmp/r1 --lengths 64 --digit-fraction 0.5 --lm-fraction 0 \\
-        --steps 400 --stop-at 1.01                                     # 2%
-    $S --model /tmp/r1 --out /tmp/r2 --steps 1000 --stop-at 1.01      # 0-5% to step 800, 22%, 40%
-    $S --model /tmp/r2 --out /tmp/r3 --seed 2 --steps 1500 --stop-at 0.85   # 62, 80, 90%: stops at 300
+        --steps 400 --stop-at 1.01
+    $S --model /tmp/r1 --out /tmp/r2 --steps 1000 --stop-at 1.01
+    $S --model /tmp/r2 --out /tmp/r3 --seed 2 --steps 1500 --stop-at 0.85
     $S --model /tmp/r3 --out runs/bootstrap-retrieval --lengths 128,256 --steps 200 --lr 5e-4 \\
-        --schedule cosine --trials 100 --stop-at 1.01                  # 89, 92% (100 prompts)
+        --schedule cosine --trials 100 --stop-at 1.01
     .venv/bin/python benchmarks/context_bench.py --model runs/bootstrap-retrieval --factor 8 \\
         --target-length 1024 --batch-size 2 --lr 3e-4 --curriculum 0.5 --lm-positions 0.5 \\
         --max-trials 120 --ppl-documents 1
 
-The rate must stay up while the circuit forms: the same phases with cosine decay in each (the
-rate down to a tenth by the end of every phase) stayed at 0-10% through 1900 steps. An earlier
-draft of this loop at a constant rate saw the change at step 300-500 of the second phase rather
-than 900-1300: the step varied with the batches; in both runs the circuit formed.
-
-Corpus rows are in ``--lang`` only, so the stand-in forgets English (perplexity in the
-hundreds of millions): read its other-language short-context column as meaningless.
+Corpus rows are in ``--lang`` only, so the stand-in forgets the other language: read its
+other-language short-context column as meaningless.
 """
 
 from __future__ import annotations

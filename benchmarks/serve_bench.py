@@ -649,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_dir and args.draft_dir:
             target, draft = args.model_dir, args.draft_dir
         elif not args.no_medium:
-            # a 1-layer draft of a 16-layer target with vocab 8192 costs c ~ 0.1 of it, the ratio the
-            # issue names for real pairs (70B/7B); vocab 8192 keeps the shared head from dominating
+            # a 1-layer draft of a 16-layer target with vocab 8192 costs c ~ 0.1 of it, the ratio of
+            # real pairs (70B/7B); vocab 8192 keeps the shared head from dominating
             target = build_random_model(args.workdir / "spec-target-v8k-16l", "spec", seed=7, damp_from=1, vocab=8192)
             draft = build_layer_skip_draft(target, args.workdir / "spec-draft-v8k-16l")
         else:

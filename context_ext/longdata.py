@@ -74,7 +74,7 @@ class LongBatches:
 
     Why three kinds: a small model that was never trained on retrieval has no induction
     (copy) circuit, and one passkey answer per thousand tokens is far too sparse a signal to
-    grow one in a couple of hundred steps (measured: 0% at 1x after 200 such steps). Rows
+    grow one in a couple of hundred steps. Rows
     that repeat a filler span several times make most of their tokens copy targets, the
     densest copy signal there is (at the demo's size it still did not grow the circuit in a
     few hundred steps; see ``warsha.synthetic``); passkey rows teach the prompt format; corpus

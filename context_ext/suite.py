@@ -100,8 +100,8 @@ def peak_rss_gb() -> float:
 def release_freed_memory() -> bool:
     """Collect garbage and hand the allocator's free pages back to the kernel (glibc ``malloc_trim``).
 
-    Why: glibc keeps freed heap pages mapped, so after a 1024-token fine-tune the process stays
-    at its 4.7 GB peak with nothing live; an evaluation measured from there reports the
+    Why: glibc keeps freed heap pages mapped, so after a long-row fine-tune the process stays
+    at the fine-tune's peak with nothing live; an evaluation measured from there reports the
     fine-tune's memory, not its own. False where the C library has no ``malloc_trim``.
     """
     gc.collect()
@@ -119,7 +119,7 @@ def reset_peak_rss() -> bool:
     """Restart the peak-memory count at the current resident size (Linux ``clear_refs`` 5).
 
     Why: a process that fine-tuned before evaluating would otherwise report the fine-tune's
-    peak as the evaluation's (4.9 GB against 2.3 GB measured for the same 8x evaluation).
+    peak as the evaluation's, about twice what the evaluation itself needs.
     False where the kernel does not allow it; the peak then covers the whole process.
     """
     try:

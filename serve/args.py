@@ -57,7 +57,7 @@ class EngineArgs:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             out.append(f"device={self.device!r} is not supported; use cpu or cuda")
         if self.int4_activations not in INT4_ACTIVATIONS:
-            out.append(f"int4_activations must be one of {', '.join(INT4_ACTIVATIONS)}, got {self.int4_activations!r}")
+            out.append(f"int4_activations={self.int4_activations!r}; use one of {', '.join(INT4_ACTIVATIONS)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,11 +1,10 @@
 """Whether this CPU computes bf16 matmuls natively, and where bf16 weights run in float32.
 
 Why: with AVX512-BF16 or AMX, bf16 GEMMs are fast and the serving engine runs bf16 end to end.
-On an AVX2-only CPU (AMD Zen 2/3, older Intel) PyTorch emulates them: measured on a 2-core
-Zen 3 (November 2026, one thread), a 64 x 1408 x 256 bf16 matmul took 9x the float32 time and a
-64-token, 32k-row LM head 5x; batched attention matmuls likewise. Only matrix-vector products
-(a batch-1 decode step) stay faster in bf16, because they are bound by memory
-traffic and bf16 halves it (a 32k x 1024 head: 18 ms bf16, 22 ms fp32; 5632 x 1024: 2.1 vs 2.5).
+On an AVX2-only CPU (AMD Zen 2/3, older Intel) PyTorch emulates them, several times slower
+than float32 for GEMMs, LM heads and batched attention matmuls (docs/precision.md). Only
+matrix-vector products (a batch-1 decode step) stay faster in bf16, because they are bound by
+memory traffic and bf16 halves it.
 
 So on such CPUs a bf16 model keeps bf16 weights, activations and KV cache, but its matmuls
 upcast to float32 (the bf16 values are exact in float32, products accumulate in float32 as a
@@ -20,9 +19,7 @@ import functools
 import torch
 
 # A single row (batch-1 decode) keeps the bf16 kernel: a matrix-vector product is bound by
-# memory traffic, which bf16 halves (in the engine, even the 256-wide layers of a small model ran
-# 8% faster per token that way); from UPCAST_MIN_ROWS rows on, float32 (oneDNN-packed) wins: 5
-# rows x 5632 x 1024 took 3.2 ms against 6.1 ms in bf16.
+# memory traffic, which bf16 halves; from UPCAST_MIN_ROWS rows on, float32 (oneDNN-packed) wins.
 UPCAST_MIN_ROWS = 2
 
 

@@ -136,8 +136,8 @@ def can_fuse(parts: list[Int4Parts]) -> bool:
 class Int4Linear:
     """y = x W^T (+ b) with W held as packed int4: serve's AVX2 kernels, else torch's CPU kernel.
 
-    serve's kernels (`cpu_kernels`) beat torch's int4 kernel at every batch size measured (1-128
-    rows: 1.2-2.8x), so where they build they serve every call, prefill included. That also keeps
+    serve's kernels (`cpu_kernels`) beat torch's int4 kernel at every batch size measured (see
+    serve/KERNELS.md), so where they build they serve every call, prefill included. That also keeps
     the arithmetic of a row independent of how many rows share its forward: a speculative
     verification chunk then computes exactly what plain decoding would, and greedy outputs stay
     identical with and without a draft (with int8 activations on small batches only, a batch-8
@@ -189,8 +189,8 @@ def _mkldnn_pack(weight: torch.Tensor, allow_float32: bool = False, batch_hint: 
     """oneDNN's blocked copy of a bf16 CPU weight, or None where that path does not apply.
 
     Why: a plain bf16 `F.linear` on CPU reorders the weight into oneDNN's blocked layout on every
-    call. For small batches that copy costs more than the matmul: a 32k x 256 LM head took 3-11 ms
-    per decode step here against 1.5-1.8 ms prepacked, with bit-identical results (the same
+    call. For small batches that copy costs more than the matmul (an LM head took about twice as
+    long per decode step as prepacked), with bit-identical results (the same
     oneDNN kernel runs, only the reorder is hoisted to load time). fp32 keeps the MKL path so
     that fp32 outputs stay exactly what transformers computes. `allow_float32` packs a float32
     weight too: the upcast path of bf16 models (`DenseLinear`), where only bf16 rounding matters

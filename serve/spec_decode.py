@@ -116,15 +116,13 @@ class SpecController:
     where predicted speedup >= 1, and every `probe_every` steps tries the other mode for
     `probe_steps` steps so the decision follows changes in load and acceptance. A probe of
     speculation lasts two steps because its first step feeds the draft the tokens it missed and
-    is not timed: one-step probes never refreshed the speculative timing, and two early slow
-    samples kept the benchmark's batch-1 run plain for 60 of 69 steps (1.16x where always
-    speculating gave 1.71x). What a speculative step buys is measured directly, as the decayed
-    mean of tokens each sequence emitted per verification, not derived from the acceptance rate
-    through (1 - a^(k+1)) / (1 - a): that formula assumes every draft token is accepted
-    independently, but drafts fail in runs (a step accepts all k or none), so at a = 0.82 it
-    predicted 3.35 tokens where steps emitted 4.3, and a batch-1 run that gained 2.3x when
-    always speculating was kept plain. Decayed ratios of sums are steadier than averaging
-    per-step ratios of a few tokens.
+    is not timed: with one-step probes the speculative timing was never refreshed, and a couple
+    of early slow samples could keep a run plain for good. What a speculative step buys is
+    measured directly, as the decayed mean of tokens each sequence emitted per verification, not
+    derived from the acceptance rate through (1 - a^(k+1)) / (1 - a): that formula assumes every
+    draft token is accepted independently, but drafts fail in runs (a step accepts all k or
+    none), so it underestimates what speculation emits and switched off drafts that paid.
+    Decayed ratios of sums are steadier than averaging per-step ratios of a few tokens.
     """
 
     k: int

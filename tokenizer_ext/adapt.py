@@ -240,7 +240,7 @@ def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir:
 
 
 def targets(m: dict[str, Any]) -> dict[str, Any]:
-    """The issue's acceptance figures, computed from the measured numbers."""
+    """The adaptation's acceptance figures (extended vs base, other-language drift), from the measured numbers."""
     ext, ctl, base = (m[k]["bits_per_char"] for k in ("extended", "base_same_budget", "base_model"))
     langs = list(ext)
     tgt, src = langs[0], langs[1]

@@ -3,10 +3,8 @@
 Why this exists: bf16 is the right default on GPUs and on CPUs with native bf16 arithmetic
 (AVX512-BF16 or AMX), where it halves memory traffic and speeds up matmuls. On a CPU without
 them (AVX2 only, e.g. AMD Zen 2/3), PyTorch emulates bf16 matmuls and they are far slower than
-float32: measured on a 2-core Zen 3 in November 2026, one training step of the 19M-parameter
-demo model took 2.1 s in float32 and 70 s under bf16 autocast (33x), a 256x704 GEMM 5x slower.
-A silent bf16 default turns a 15-minute demo into a 7-hour one, so every stage asks this
-module instead of assuming.
+float32 (docs/precision.md has the measured ratios). A silent bf16 default would turn the
+demo's minutes into hours, so every stage asks this module instead of assuming.
 
 ``bf16: null`` (the default everywhere) means "bf16 where it is fast"; ``true`` or ``false``
 in a recipe forces it.

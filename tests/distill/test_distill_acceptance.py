@@ -98,7 +98,7 @@ def _overlap_reference(target: Any, draft: Any, prompt: list[int]) -> float:
 
 
 def test_first_position_acceptance_matches_analytic(pair: tuple[Any, Any], tokenizer: Any, corpus: Any) -> None:
-    """The identity the brief asks for: the first proposal is kept with probability
+    """The defining identity of speculative sampling: the first proposal is kept with probability
     sum min(p, q) at the prompt, computed here without any KV cache, in float64."""
     target, draft = pair
     prompts = _prompts(tokenizer, corpus, 5, 10)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         from serve.api.cli import main as serve_main
 
         return serve_main(argv[1:], prog="warsha serve")
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -93,6 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactError, PermissionError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse the command line; ``run``'s ``key=value`` overrides may come after its options too
+    (argparse alone stops collecting positionals at the first option)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "run":
+        late = [e for e in extra if "=" in e and not e.startswith("-")]
+        args.overrides = [*args.overrides, *late]
+        extra = [e for e in extra if e not in late]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _quiet_environment() -> None:

@@ -94,7 +94,7 @@ class LineProgress:
             yield item
             self.n += 1
             now = time.perf_counter()
-            if now - self._last >= self.interval:
+            if now - self._last >= self.interval and self.n != self.total:  # the end has its own line
                 self._emit(now)
         if self.leave or self._lines:
             self._emit(final=True)

@@ -195,3 +195,12 @@ def test_optional_input_roles_are_planned_only_when_mapped(tmp_path: Path) -> No
     data["stages"][-1]["inputs"]["teacher"] = "bootstrap"
     with pytest.raises(RecipeError, match=r"takes no input 'teacher' \(takes: model, base \(optional\)\)"):
         parse_recipe(data)
+
+
+def test_overrides_may_follow_options() -> None:
+    from warsha.cli import parse
+
+    args = parse(["run", "r.yaml", "seed=1", "--only", "bootstrap", "tracking.backend=none", "--force"])
+    assert args.overrides == ["seed=1", "tracking.backend=none"] and args.only == "bootstrap" and args.force
+    with pytest.raises(SystemExit):
+        parse(["run", "r.yaml", "--bogus"])

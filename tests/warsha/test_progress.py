@@ -21,7 +21,7 @@ def test_file_output_is_plain_lines() -> None:
     assert lines[0].startswith("train: 3/10 step (30%)")
     assert lines[-1].startswith("train: 10/10 step (100%)") and "done in" in lines[-1]
     assert lines[-1].endswith("loss=1.234")
-    assert len(lines) == 1 + 7 + 1  # start, one per step at interval 0, the final line
+    assert len(lines) == 1 + 6 + 1  # start, one per step before the last at interval 0, the final line
 
 
 def test_interval_bounds_the_line_count() -> None:

@@ -9,8 +9,13 @@ merged into the unquantized weights, and the adapter alone is kept in a subdirec
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
+
+# peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` whenever it wraps or
+# loads a model: a warning the user can do nothing about, once per adapter run.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 BNB_MULTIPLE = 32  # bitsandbytes 4-bit no-grad forward needs output sizes divisible by 32
 

@@ -62,7 +62,7 @@ def test_rerun_skips_and_config_change_reruns(tmp_path: Path) -> None:
     assert artifacts.read_manifest(tmp_path / "bootstrap")["created"] == first["created"]
     assert run_tiny(tmp_path, steps=2, force=True)[0].status == "ran"
     assert run_tiny(tmp_path, steps=3)[0].status == "ran"
-    assert not list(tmp_path.glob(".*partial")) and not list(tmp_path.glob("*.old-*"))
+    assert not list(tmp_path.glob(".bootstrap.*")) and not list(tmp_path.glob("*.old-*"))
 
 
 def test_corrupted_weights_detected_and_not_overwritten(tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_kill_during_training_then_resume(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "warsha", "run", str(recipe_path), "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    ckpt = out / ".bootstrap.partial" / "checkpoints" / "bootstrap"
+    ckpt = pipeline.checkpoint_dir(out / "bootstrap") / "bootstrap"
     deadline = time.time() + 240
     while time.time() < deadline and not list(ckpt.glob("step-*/warsha_step.json")):
         assert proc.poll() is None, "run ended before it could be killed"
@@ -100,7 +100,7 @@ def test_kill_during_training_then_resume(tmp_path: Path) -> None:
     m = artifacts.read_manifest(out / "bootstrap")
     assert m["metrics"]["train"]["resumed_from_step"] > 0
     assert m["metrics"]["train"]["steps_run"] == 40 - m["metrics"]["train"]["resumed_from_step"]
-    assert not (out / ".bootstrap.partial").exists()
+    assert not (out / ".bootstrap.partial").exists() and not pipeline.checkpoint_dir(out / "bootstrap").exists()
 
 
 def test_only_and_from_selection(tmp_path: Path) -> None:

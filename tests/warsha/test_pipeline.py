@@ -16,6 +16,7 @@ import yaml
 from tests.conftest import tiny_recipe
 from warsha import artifacts, pipeline
 from warsha.config import parse_recipe
+from warsha.training import read_step_file
 
 
 def test_artifact_loads_with_auto_classes_and_has_manifest(tiny_artifact: Path) -> None:
@@ -89,7 +90,7 @@ def test_kill_during_training_then_resume(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt = pipeline.checkpoint_dir(out / "bootstrap") / "bootstrap"
     deadline = time.time() + 240
-    while time.time() < deadline and not list(ckpt.glob("step-*/warsha_step.json")):
+    while time.time() < deadline and not any(read_step_file(d) for d in ckpt.glob("step-*")):  # complete only
         assert proc.poll() is None, "run ended before it could be killed"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from context_ext import longdata, report, scaling, suite
 from context_ext.passkey import PasskeyFormat, filler_stream
+from warsha.artifacts import fsync_tree, write_json_atomic
 
 if TYPE_CHECKING:
     from context_ext.stages import YarnParams
@@ -78,8 +79,7 @@ def _cached(path: Path, compute: Any) -> dict[str, Any]:
     if path.is_file():
         return json.loads(path.read_text())
     value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value))
+    write_json_atomic(path, value)  # a kill mid-write must not leave a truncated cache entry
     return value
 
 
@@ -149,7 +149,8 @@ def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batc
     model = trainer.model.eval()
     if ctx.is_main:
         model.save_pretrained(done)
-        (done / "summary.json").write_text(json.dumps(summary))
+        fsync_tree(done)
+        write_json_atomic(done / "summary.json", summary)  # last: it marks the weights complete
     return model, summary
 
 

@@ -147,6 +147,7 @@ def train_or_load(
 
     import torch
 
+    from warsha.artifacts import fsync_tree, write_json_atomic
     from warsha.training import Trainer, causal_lm_loss
 
     done = Path(ctx.checkpoint_dir) / f"{name}-final"
@@ -166,5 +167,6 @@ def train_or_load(
     if ctx.is_main:
         done.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), done / "weights.pt")
-        (done / "summary.json").write_text(json.dumps(summary))
+        fsync_tree(done)
+        write_json_atomic(done / "summary.json", summary)  # last: it marks the weights complete
     return model, summary

@@ -13,16 +13,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from warsha.artifacts import fsync_tree, write_json_atomic
 from warsha.precision import use_bf16
 from warsha.training import TrainParams, TrainResult, lr_multiplier
 
 if TYPE_CHECKING:
     from warsha.stage import StageContext
+
+LATEST = "warsha_latest.json"
 
 
 def load_config(path: str | Path, p: TrainParams, world: int, offload: bool) -> dict[str, Any]:
@@ -118,17 +122,43 @@ def train(
         if rank == 0 and ((step + 1) % p.log_every == 0 or step + 1 == p.steps):
             ctx.tracker.log({f"{name}/loss": total, f"{name}/tokens_per_s": tok_s}, step + 1)
         if (step + 1) % p.checkpoint_every == 0 and step + 1 < p.steps:
-            engine.save_checkpoint(str(ckpt), tag=f"step-{step + 1}", client_state={"step": step + 1})
+            _save(engine, ckpt, step + 1, rank)
     result = TrainResult(losses, tokens, time.perf_counter() - t0, start)
     state = full_state_dict(engine, cfg)
     return result, state if rank == 0 else None
 
 
+def _save(engine: Any, ckpt: Path, step: int, rank: int) -> None:
+    """Save tag ``step-N``; it counts only once every rank has saved and rank 0 has fsynced it
+    and atomically written ``warsha_latest.json`` naming it.
+
+    DeepSpeed's own ``latest`` file is written in place by rank 0 without waiting for the other
+    ranks, so a kill can leave it empty or naming a tag another rank never finished.
+    """
+    import torch.distributed as dist
+
+    tag = f"step-{step}"
+    engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": step}, save_latest=False)  # ends in a barrier
+    if rank == 0:
+        fsync_tree(ckpt / tag)
+        write_json_atomic(ckpt / LATEST, {"tag": tag, "step": step})
+        for old in ckpt.glob("step-*"):
+            if old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
 def _resume(engine: Any, ckpt: Path) -> int:
-    if not (ckpt / "latest").is_file():
+    try:
+        mark = json.loads((ckpt / LATEST).read_text())
+    except (OSError, ValueError):
         return 0
-    _, client = engine.load_checkpoint(str(ckpt))
-    return int((client or {}).get("step", 0))
+    if not isinstance(mark, dict) or not isinstance(mark.get("tag"), str) or not (ckpt / mark["tag"]).is_dir():
+        return 0
+    path, client = engine.load_checkpoint(str(ckpt), tag=mark["tag"])
+    if path is None:
+        raise RuntimeError(f"{ckpt / mark['tag']}: DeepSpeed could not load this checkpoint; delete {ckpt} to restart")
+    return int((client or {}).get("step", mark.get("step", 0)))
 
 
 def full_state_dict(engine: Any, cfg: dict[str, Any]) -> dict[str, Any]:

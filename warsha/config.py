@@ -21,7 +21,23 @@ from warsha.data import DataConfig
 from warsha.schema import check, from_dict, to_dict
 from warsha.tracking import TrackingConfig
 
-_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+MAX_NAME = 200
+
+
+def dir_name_problem(value: str) -> str | None:
+    """Why ``value`` cannot name a directory of a run (recipe names, stage ids), or None.
+
+    Both become path components (``runs/<name>/<id>``); a separator or ``..`` would write
+    outside the run directory, and a leading ``.`` would collide with the runner's own
+    ``.<id>.partial`` and ``.<id>.checkpoints`` siblings.
+    """
+    if not _ID.fullmatch(value) or len(value) > MAX_NAME:
+        return (
+            f"{value!r} is not a valid directory name: use letters, digits, '_', '.' and '-', not starting"
+            f" with '.' or '-', at most {MAX_NAME} characters (no '/', no '..')"
+        )
+    return None
 
 
 class RecipeError(ValueError):
@@ -51,7 +67,7 @@ class StageEntry:
 class Recipe:
     """A whole pipeline: base model, data, tracking and the ordered stages."""
 
-    name: str
+    name: str = field(metadata=check(dir_name_problem, help="names the run directory: runs/<name>"))
     base: str = field(default="bootstrap", metadata=check(help="local HF model dir, or 'bootstrap'"))
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -171,8 +187,8 @@ def _check_entry(
 ) -> list[str]:
     path = f"stages[{i}]"
     problems = []
-    if not _ID.match(entry.key):
-        problems.append(f"{path}.id: {entry.key!r} is not a valid directory name")
+    if problem := dir_name_problem(entry.key):
+        problems.append(f"{path}.id: {problem}")
     if entry.key in seen:
         problems.append(f"{path}.id: {entry.key!r} is already used by stages[{seen[entry.key]}]; give one an id")
     for role, ref in entry.inputs.items():

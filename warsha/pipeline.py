@@ -1,9 +1,13 @@
 """Runs a recipe's stages: artifact directories, manifests, skipping, resuming, rank-0 writing.
 
 Each stage writes into a temporary sibling (``.<id>.partial``) that the runner renames into
-place once the manifest is written. A rerun skips a stage whose manifest records the same
-config hash and the same input digests, and a killed training stage resumes from the
-checkpoints left in its partial directory (kept only while its config and inputs match).
+place once the manifest is written. Whatever lets a stage resume (the Trainer's checkpoints,
+finished sub-runs, cached evaluations) lives in a second sibling, ``.<id>.checkpoints``, with a
+resume marker naming the config hash and input digests it belongs to. That directory is
+deleted only after the manifest is written and the rename has succeeded, so a kill or a full
+disk at any point before, finalize included, leaves a run that resumes from its last
+checkpoint. A rerun skips a stage whose manifest records the same config hash and the same
+input digests.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ VERSIONED = (
     "triton",
     "warsha",
 )
-PARTIAL_MARK = ".warsha_partial.json"
+RESUME_MARK = "warsha_resume.json"
 
 
 @dataclass
@@ -58,6 +62,23 @@ class Planned:
     config_hash: str
     status: str = "pending"
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def partial_dir(out_dir: Path) -> Path:
+    """Where a stage writes its artifact before the rename into ``out_dir``."""
+    return out_dir.with_name(f".{out_dir.name}.partial")
+
+
+def checkpoint_dir(out_dir: Path) -> Path:
+    """Where a stage keeps what it needs to resume; outlives ``partial_dir`` until the rename."""
+    return out_dir.with_name(f".{out_dir.name}.checkpoints")
+
+
+def _read_mark(ckpt: Path) -> Any:
+    try:
+        return json.loads((ckpt / RESUME_MARK).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def out_root(recipe: Recipe, out: Path | None) -> Path:
@@ -101,7 +122,7 @@ class Runner:
         if path not in self._digests:
             if artifacts.read_manifest(path) is not None:
                 self._digests[path] = artifacts.verify(path)
-            elif (path.parent / f".{path.name}.partial").exists() or not path.exists():
+            elif partial_dir(path).exists() or checkpoint_dir(path).exists() or not path.exists():
                 raise artifacts.ArtifactError(
                     f"{path}: this input has not been produced yet; run its stage first (drop --only/--from)"
                 )
@@ -130,6 +151,7 @@ class Runner:
             if not self.force and self.up_to_date(step, digests):
                 step.status = "skipped (up to date)"
                 step.metrics = (artifacts.read_manifest(step.out_dir) or {}).get("metrics", {})
+                self._drop_finished_checkpoints(step, digests)
                 log.info("[%d/%d] %s (%s): up to date, skipped", step.index + 1, len(steps), step.stage, step.key)
                 continue
             self._execute(step, digests, len(steps))
@@ -137,7 +159,7 @@ class Runner:
 
     def _execute(self, step: Planned, digests: dict[str, str], total: int) -> None:
         log.info("[%d/%d] %s (%s): running -> %s", step.index + 1, total, step.stage, step.key, step.out_dir)
-        partial = self._prepare_partial(step, digests)
+        partial, ckpt = self._prepare(step, digests)
         is_main = distributed.is_main()
         tracker = make_tracker(self.recipe.tracking, is_main)
         tracker.start(
@@ -153,7 +175,7 @@ class Runner:
             out_dir=partial,
             inputs=step.inputs,
             input_manifests={r: artifacts.read_manifest(p) for r, p in step.inputs.items()},
-            checkpoint_dir=partial / "checkpoints",
+            checkpoint_dir=ckpt,
             tracker=tracker,
             device=self.recipe.device,
             seed=self.recipe.seed,
@@ -167,33 +189,49 @@ class Runner:
         if is_main:
             manifest = self._manifest(step, digests, metrics, wall, tracker.run_id)
             artifacts.finalize(partial, step.out_dir, manifest)
+            # Only now: had finalize failed, the rerun would need these to resume.
+            shutil.rmtree(ckpt, ignore_errors=True)
         distributed.barrier()
         self._digests.pop(step.out_dir.resolve(), None)
         step.status, step.metrics = "ran", metrics
         log.info("[%d/%d] %s (%s): done in %.1f s", step.index + 1, total, step.stage, step.key, wall)
 
-    def _prepare_partial(self, step: Planned, digests: dict[str, str]) -> Path:
-        """The stage's temporary sibling; kept (with its checkpoints) only if it is the same job."""
-        partial = step.out_dir.with_name(f".{step.out_dir.name}.partial")
-        mark = {"config_hash": step.config_hash, "inputs": digests}
+    def _prepare(self, step: Planned, digests: dict[str, str]) -> tuple[Path, Path]:
+        """A fresh partial directory, and the checkpoint directory: kept only for the same job.
+
+        The partial directory is always emptied: a stage regenerates its outputs, and a
+        leftover from a killed attempt (a half-written weight file, a manifest written just
+        before a failed rename) must not end up in the artifact.
+        """
+        partial, ckpt = partial_dir(step.out_dir), checkpoint_dir(step.out_dir)
+        job = {"config_hash": step.config_hash, "inputs": digests}
         if distributed.is_main():
-            try:
-                same = json.loads((partial / PARTIAL_MARK).read_text()) == mark
-            except (OSError, json.JSONDecodeError):
-                same = False
-            if same and not self.force:
-                log.info("%s: resuming from %s", step.key, partial)
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+            if not self.force and _read_mark(ckpt) == job:
+                log.info("%s: resuming from %s", step.key, ckpt)
             else:
-                shutil.rmtree(partial, ignore_errors=True)
-                partial.mkdir(parents=True)
-                artifacts.write_json_atomic(partial / PARTIAL_MARK, mark)
+                if ckpt.exists():
+                    shutil.rmtree(ckpt)
+                ckpt.mkdir(parents=True)
+                artifacts.write_json_atomic(ckpt / RESUME_MARK, job)
         distributed.barrier()
-        return partial
+        return partial, ckpt
+
+    def _drop_finished_checkpoints(self, step: Planned, digests: dict[str, str]) -> None:
+        """Checkpoints left by a run killed after its rename: the artifact they built is done.
+
+        Checkpoints of another job (a different config that was interrupted) are kept for when
+        that config runs again.
+        """
+        ckpt = checkpoint_dir(step.out_dir)
+        if distributed.is_main() and _read_mark(ckpt) == {"config_hash": step.config_hash, "inputs": digests}:
+            shutil.rmtree(ckpt, ignore_errors=True)
 
     def _manifest(
         self, step: Planned, digests: dict[str, str], metrics: dict[str, Any], wall: float, run_id: str | None
     ) -> dict[str, Any]:
-        (step.out_dir.with_name(f".{step.out_dir.name}.partial") / PARTIAL_MARK).unlink(missing_ok=True)
         return {
             "stage": step.stage,
             "id": step.key,

@@ -19,7 +19,8 @@ MAX_ROWS = 60
 
 def collect(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Finished artifacts under ``run_dir``, in the order they were created."""
-    found = [(d, m) for d in sorted(run_dir.iterdir()) if d.is_dir() and (m := read_manifest(d)) is not None]
+    dirs = [d for d in sorted(run_dir.iterdir()) if d.is_dir() and not d.name.startswith(".")]  # not .<id>.partial
+    found = [(d, m) for d in dirs if (m := read_manifest(d)) is not None]
     return sorted(found, key=lambda dm: dm[1].get("created", ""))
 
 

@@ -61,8 +61,10 @@ class StageContext:
     """Everything a stage may use; built by the pipeline, one per stage run.
 
     ``out_dir`` is the temporary sibling the runner later renames into place: write only
-    there, and only on the main process (``ctx.is_main``). ``checkpoint_dir`` lives inside it
-    and survives a killed run, which is how training stages resume.
+    there, and only on the main process (``ctx.is_main``); it starts empty on every attempt.
+    ``checkpoint_dir`` is a second sibling that survives a killed or failed run (finalize
+    included) and is deleted only once the artifact is in place: keep everything a rerun
+    should not redo there, which is how training stages resume.
     """
 
     stage: str

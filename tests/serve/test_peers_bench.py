@@ -1,0 +1,130 @@
+"""Helpers of benchmarks/serve_peers.py and its peer runners that decide reported figures.
+
+The roofline's byte counts are checked against serve's own KV cache allocation and a hand count
+of a small checkpoint, the vLLM runner's percentile against serve.stats, the placeholder tokenizer
+the llama.cpp converter reads against sentencepiece itself, and the Warsha / best-peer ratio
+against rows whose answer is known. The peers themselves never run here (they need their venvs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from serve.kv_cache import KVCache
+from serve.stats import percentile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(rel: str) -> ModuleType:
+    path = ROOT / rel
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _config(tmp_path: Path, **over: int) -> Path:
+    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, **over)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_kv_bytes_per_token_matches_the_engines_cache(tmp_path: Path) -> None:
+    rl = _load("benchmarks/peers/roofline.py")
+    d = _config(tmp_path)
+    blocks, block_size = 5, 16
+    for dtype in (torch.bfloat16, torch.float32):
+        kv = KVCache(3, blocks, block_size, 2, 8, dtype, torch.device("cpu"))
+        held = kv.k.numel() * kv.k.element_size() + kv.v.numel() * kv.v.element_size()
+        assert rl.kv_bytes_per_token(d, dtype.itemsize) == held // (blocks * block_size)
+
+
+def test_checkpoint_decode_bytes_skips_the_embedding_and_g_idx(tmp_path: Path) -> None:
+    rl = _load("benchmarks/peers/roofline.py")
+    state = {
+        "model.embed_tokens.weight": torch.zeros(64, 32, dtype=torch.bfloat16),
+        "model.layers.0.mlp.up_proj.qweight": torch.zeros(4, 48, dtype=torch.int32),
+        "model.layers.0.mlp.up_proj.scales": torch.zeros(1, 48, dtype=torch.float16),
+        "model.layers.0.mlp.up_proj.g_idx": torch.zeros(32, dtype=torch.int32),
+        "model.norm.weight": torch.zeros(32, dtype=torch.bfloat16),
+        "lm_head.weight": torch.zeros(64, 32, dtype=torch.bfloat16),
+    }
+    save_file(state, str(tmp_path / "model.safetensors"))
+    stored = 4 * 48 * 4 + 48 * 2 + 32 * 2 + 64 * 32 * 2
+    assert rl.checkpoint_decode_bytes(tmp_path) == stored
+    floats = 48 + 32 + 64 * 32  # re-priced at 4 bytes; the packed int32 stays as stored
+    assert rl.checkpoint_decode_bytes(tmp_path, 4) == 4 * 48 * 4 + floats * 4
+
+
+def test_roofline_bound_is_bandwidth_over_step_bytes() -> None:
+    rl = _load("benchmarks/peers/roofline.py")
+    r = rl.roofline(1000, 10, 50.0, 3000.0)
+    assert r["step_bytes"] == 1500 and r["bound_tok_s"] == 2.0
+
+
+def test_vllm_runner_percentile_is_serves() -> None:
+    vr = _load("benchmarks/peers/vllm_runner.py")
+    rng = random.Random(0)
+    for n in (1, 2, 7, 64):
+        xs = [rng.random() for _ in range(n)]
+        for q in (0, 50, 99, 100):
+            assert vr._percentile(xs, q) == pytest.approx(percentile(xs, q))
+    assert vr._percentile([], 50) is None
+
+
+def test_placeholder_tokenizer_maps_every_id(tmp_path: Path) -> None:
+    spm = pytest.importorskip("sentencepiece")
+    lr = _load("benchmarks/peers/llamacpp_runner.py")
+    lr.write_placeholder_spm(tmp_path / "tokenizer.model", 300, 1, 2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    assert sp.vocab_size() == 300
+    assert sp.unk_id() == 0 and sp.bos_id() == 1 and sp.eos_id() == 2
+    assert sp.is_control(1) and sp.is_control(2) and sp.is_unknown(0)
+    assert len({sp.id_to_piece(i) for i in range(300)}) == 300
+    assert sp.piece_to_id("\u2581t257") == 257
+
+
+def test_staged_checkpoint_links_weights_and_adds_a_tokenizer_only_when_missing(tmp_path: Path) -> None:
+    pytest.importorskip("sentencepiece")
+    lr = _load("benchmarks/peers/llamacpp_runner.py")
+    (tmp_path / "src").mkdir()
+    src = _config(tmp_path / "src")
+    (src / "model.safetensors").write_bytes(b"w")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 1, "eos_token_id": 2}))
+    stage = lr.staged_checkpoint(src, tmp_path / "stage")
+    assert (stage / "model.safetensors").resolve() == (src / "model.safetensors").resolve()
+    assert (stage / "tokenizer.model").is_file()
+    (src / "tokenizer.json").write_text("{}")
+    stage2 = lr.staged_checkpoint(src, tmp_path / "stage2")
+    assert not (stage2 / "tokenizer.model").exists() and (stage2 / "tokenizer.json").is_symlink()
+    key = lr.checkpoint_key(src)
+    (src / "model.safetensors").write_bytes(b"changed")
+    assert lr.checkpoint_key(src) != key
+
+
+def test_warsha_vs_best_peer_ratio() -> None:
+    sp = _load("benchmarks/serve_peers.py")
+    rows = [
+        {"bits": 16, "engine": "warsha bf16", "tok_s": 8.0},
+        {"bits": 32, "engine": "warsha fp32", "tok_s": 4.0},
+        {"bits": 16, "engine": "vLLM bf16", "tok_s": 5.0},
+        {"bits": 32, "engine": "vLLM fp32", "tok_s": 10.0},
+        {"bits": 16, "engine": "HF generate bf16 (floor)", "tok_s": 100.0},
+        {"bits": 4, "engine": "llama.cpp Q4_0", "tok_s": 20.0},
+        {"bits": 4, "engine": "vLLM int4", "error": "refused"},
+    ]
+    assert sp.warsha_vs_best_peer(rows, 16) == (0.8, "vLLM fp32")  # HF is the floor, never the best peer
+    assert sp.warsha_vs_best_peer(rows, 4) is None  # no Warsha 4-bit row

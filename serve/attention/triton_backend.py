@@ -93,6 +93,11 @@ class TritonPagedAttention:
     def build_metadata(self, chunks: list[SeqChunk], block_size: int) -> TritonAttentionMetadata:
         """Slot mapping plus a decode plan (query length 1) and a prefill plan (the rest)."""
         _check_layout(chunks)
+        if any(c.window is not None for c in chunks):
+            raise NotImplementedError(
+                "the Triton attention kernels have no sliding window yet; serve this model with "
+                "attention_backend='torch'"
+            )
         tables = block_table_tensor([c.block_table for c in chunks])
         seq_of_token = [i for i, c in enumerate(chunks) for _ in range(c.query_len)]
         positions = [p for c in chunks for p in range(c.context_len - c.query_len, c.context_len)]

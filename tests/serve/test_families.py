@@ -1,0 +1,94 @@
+"""Qwen 3 and Gemma 3 (sliding window, mixed layer types) against transformers, in float32.
+
+Tiny random checkpoints built in-process: logits at every position within 1e-4, greedy
+generation token-identical to `generate`, through the whole engine (chunked prefill, prefix
+caching, speculative decoding with a draft of the same family).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve import LLM, SamplingParams
+from serve.config import ModelConfig
+from serve.model import LlamaModel
+from tests.serve.conftest import hf_model, make_layer_skip_draft, make_model
+
+GEMMA_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+FAMILY_CONFIGS = {
+    "qwen3": dict(arch="qwen3", head_dim=32),
+    "gemma3": dict(
+        arch="gemma3",
+        head_dim=32,
+        num_hidden_layers=4,
+        sliding_window=16,
+        layer_types=GEMMA_LAYERS,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "mistral": dict(arch="mistral", sliding_window=16),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random checkpoint of each new family (Mistral: its window is now real)."""
+    return make_model(tmp_path_factory.mktemp(request.param), seed=5, **FAMILY_CONFIGS[request.param])
+
+
+def _ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_logits_match_transformers_at_every_position(family_dir: Path) -> None:
+    """70 tokens: more than four windows of 16, so sliding layers mask most of the context."""
+    ours = LlamaModel.load(family_dir, "float32")
+    ids = [1] + _ids(69, ours.config.vocab_size)
+    with torch.no_grad():
+        ref = hf_model(family_dir)(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(ours.prefill_logits(ids, block_size=8), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_matches_generate_through_the_engine(family_dir: Path) -> None:
+    """Chunked prefill (budget 24 < prompt) and decode past the window, several prompts at once."""
+    ref_model = hf_model(family_dir)
+    llm = LLM(family_dir, dtype="float32", block_size=4, max_num_batched_tokens=24, num_kv_blocks=160)
+    prompts = [[1] + _ids(n, llm.config.vocab_size, seed=n) for n in (5, 30, 47)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = ref_model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :]
+        assert out.token_ids == ref.tolist()
+    llm.block_manager.check_no_leaks()
+
+
+def test_prefix_caching_and_speculation_stay_exact(family_dir: Path, tmp_path: Path) -> None:
+    """A shared 40-token prefix (past the window) hits the cache; a layer-skip draft of the same
+    family (its first layers) speculates; greedy outputs equal the plain engine's."""
+    layers = ModelConfig.from_dir(family_dir).num_layers
+    draft = make_layer_skip_draft(family_dir, tmp_path / "draft", num_layers=min(3, layers - 1))
+    plain = LLM(family_dir, dtype="float32", block_size=4, num_kv_blocks=200, enable_prefix_caching=False)
+    vocab = plain.config.vocab_size
+    shared = [1] + _ids(40, vocab, seed=9)
+    prompts = [shared + _ids(k, vocab, seed=k) for k in (3, 6, 9)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    fast = LLM(family_dir, draft_dir=draft, dtype="float32", block_size=4, num_kv_blocks=200, num_speculative_tokens=3)
+    got = [o.token_ids for o in fast.generate([prompts[0]], params)]
+    got += [o.token_ids for o in fast.generate(prompts[1:], params)]
+    assert got == want
+    assert fast.scheduler.prefix_hit_tokens > 0
+    fast.block_manager.check_no_leaks()
+
+
+def test_unknown_family_is_refused_with_the_list(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="supported: llama, mistral, qwen2, qwen3, gemma3_text"):
+        ModelConfig.from_dict({"model_type": "phi3", "num_attention_heads": 4, "hidden_size": 64}, "x/config.json")

@@ -69,9 +69,10 @@ def bind_to(layer_windows: tuple[int | None, ...], target: KVLayout, name: str =
     used = [0] * target.num_groups
     group, slot = [], []
     for i, w in enumerate(layer_windows):
-        fits = [
-            g for g, gw in enumerate(target.group_windows) if gw is None or (w is not None and gw >= w and gw == w)
-        ] or [g for g, gw in enumerate(target.group_windows) if gw is None or (w is not None and gw >= w)]
+        windows = target.group_windows
+        fits = [g for g, gw in enumerate(windows) if gw == w] or [
+            g for g, gw in enumerate(windows) if gw is None or (w is not None and gw >= w)
+        ]
         if not fits:
             raise ValueError(
                 f"{name} layer {i} (window {w}) has no KV group to live in: the target keeps only sliding "

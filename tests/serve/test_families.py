@@ -92,3 +92,44 @@ def test_prefix_caching_and_speculation_stay_exact(family_dir: Path, tmp_path: P
 def test_unknown_family_is_refused_with_the_list(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="supported: llama, mistral, qwen2, qwen3, gemma3_text"):
         ModelConfig.from_dict({"model_type": "phi3", "num_attention_heads": 4, "hidden_size": 64}, "x/config.json")
+
+
+def _gptq_pair(base: Path, out: Path) -> tuple[Path, Path]:
+    """(GPTQ int4 checkpoint of `base`, float32 checkpoint of exactly its dequantized weights)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.serve.gptq_pack import brute_force_dequant, quantize_to_gptq
+
+    qdir, ddir = out / "q", out / "deq"
+    qstate, dstate = {}, {}
+    for name, tensor in load_file(str(base / "model.safetensors")).items():
+        module = name[: -len(".weight")]
+        if name.endswith("_proj.weight"):
+            packed = quantize_to_gptq(tensor, 32, act_order="k_proj" in name, seed=len(name))
+            qstate.update({f"{module}.{k}": v for k, v in packed.items()})
+            dstate[name] = brute_force_dequant(packed)
+        else:
+            qstate[name] = dstate[name] = tensor
+    cfg = json.loads((base / "config.json").read_text())
+    for d, qc in ((ddir, None), (qdir, {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False})):
+        d.mkdir(parents=True)
+        shutil.copy(base / "tokenizer.json", d / "tokenizer.json")
+        (d / "config.json").write_text(json.dumps({**cfg, **({"quantization_config": qc} if qc else {})}))
+    save_file(qstate, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dstate, str(ddir / "model.safetensors"), metadata={"format": "pt"})
+    return qdir, ddir
+
+
+def test_gptq_int4_checkpoint_loads_and_matches_its_dequantized_weights(family_dir: Path, tmp_path: Path) -> None:
+    """Every projection int4 (AVX2/torch int4 kernels, float activations) vs transformers on the
+    dequantized float32 weights: the families' norms and head_dim reach the int4 path intact."""
+    qdir, ddir = _gptq_pair(family_dir, tmp_path)
+    ours = LlamaModel.load(qdir, "float32", int4_activations="float")
+    ids = [1] + _ids(39, ours.config.vocab_size)
+    with torch.no_grad():
+        want = hf_model(ddir)(torch.tensor([ids])).logits[0].float()
+    got = ours.prefill_logits(ids, block_size=8)
+    assert float((got - want).norm() / want.norm()) < 2e-2

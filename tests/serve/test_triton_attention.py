@@ -20,7 +20,8 @@ from tests.serve.triton_cases import PagedCase, kernel_device, nan_alloc, paged_
 # (context_len, query_len): decode steps (one crossing several 32-token partitions), a fresh
 # prompt, chunks continuing a cached prefix across block boundaries, and a 1-token context.
 MIXED = [(70, 1), (40, 40), (1, 1), (57, 23), (33, 1), (19, 3)]
-ALL_PAIRS = [(16, 64, 1), (32, 128, 4), (16, 128, 8), (32, 64, 8), (16, 64, 4), (32, 128, 1)]
+# head_dim 256 with 4 query heads per KV head is Gemma 3 270M's shape
+ALL_PAIRS = [(16, 64, 1), (32, 128, 4), (16, 128, 8), (32, 64, 8), (16, 64, 4), (32, 128, 1), (16, 256, 4)]
 FULL = list(itertools.product((16, 32), (64, 128), (1, 4, 8)))
 KV_HEADS = 2
 

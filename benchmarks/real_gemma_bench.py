@@ -43,6 +43,7 @@ def scenario_g(args: argparse.Namespace, helpers: dict[str, Callable[..., Any]])
         res[f"b1_warsha_{dtype}_tok_s"] = decode_rate(path, prompt, n_dec, dtype=dtype)
         res[f"b1_hf_{dtype}_tok_s"] = hf_decode_rate(hf[dtype], prompt, n_dec)
     n, out_hi = (16, 64) if args.quick else (64, 256)
+    n = args.real_requests or n
     reqs = [([2] + p, m) for p, m in workload(n, (16, 512), (16, out_hi), VOCAB, seed=0)]
     res["mixed_requests"] = n
     for dtype in ("float32", "bfloat16"):

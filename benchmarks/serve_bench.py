@@ -623,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--int4-presets", default="medium,large", help="presets for the int4-vs-bf16 decode comparison of (b)"
     )
+    p.add_argument(
+        "--real-requests", type=int, default=None, help="requests of (g)'s mixed workload (default 64, 16 with --quick)"
+    )
     p.add_argument("--num-spec-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the best is reported")

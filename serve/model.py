@@ -69,11 +69,6 @@ class DecoderModel:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.int4_activations = int4_activations
         self.backend = backend or get_backend(self.device)
-        if self.backend.name != "torch" and config.sliding_window:
-            raise ValueError(
-                f"{config.model_type} has sliding-window layers, which the {self.backend.name} attention kernels "
-                "do not implement yet; use attention_backend='torch'"
-            )
         if self.device.type != "cpu":
             state = {k: v.to(self.device) for k, v in state.items()}
         self.embed = state["model.embed_tokens.weight"].to(dtype)

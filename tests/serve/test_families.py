@@ -133,3 +133,24 @@ def test_gptq_int4_checkpoint_loads_and_matches_its_dequantized_weights(family_d
         want = hf_model(ddir)(torch.tensor([ids])).logits[0].float()
     got = ours.prefill_logits(ids, block_size=8)
     assert float((got - want).norm() / want.norm()) < 2e-2
+
+
+@pytest.mark.slow
+def test_triton_backend_serves_sliding_windows(tmp_path: Path) -> None:
+    """Gemma 3 through the Triton kernels (interpreter on CPU, minutes): prefill logits and a
+    greedy decode past the window equal transformers'. The kernels' windows are checked fast in
+    test_triton_attention."""
+    from serve.attention import get_backend
+
+    path = make_model(tmp_path / "g", seed=5, **FAMILY_CONFIGS["gemma3"])
+    ours = LlamaModel.load(path, "float32", backend=get_backend("cpu", prefer="triton"))
+    ids = [1] + _ids(39, ours.config.vocab_size)
+    ref = hf_model(path)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(ours.prefill_logits(ids, block_size=8), want, rtol=1e-4, atol=1e-4)
+    llm = LLM(path, dtype="float32", block_size=4, num_kv_blocks=64, attention_backend="triton")
+    out = llm.generate([ids[:20]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([ids[:20]]), max_new_tokens=8, do_sample=False)[0, 20:].tolist()
+    assert out.token_ids == expected

@@ -186,3 +186,19 @@ def test_forward_rejects_mismatched_inputs() -> None:
         backend.forward(case.q[:, :3], case.k_new, case.v_new, case.k_cache, case.v_cache, meta, 0.125)
     with pytest.raises(ValueError, match="partition_size"):
         TritonPagedAttention(device, partition_size=40)
+
+
+@pytest.mark.parametrize("window", [5, 24])
+@pytest.mark.parametrize("block_size,dim,gqa", [(16, 64, 4), (16, 256, 4)])
+def test_sliding_window_matches_reference(window: int, block_size: int, dim: int, gqa: int) -> None:
+    """Decode partitions wholly before the window (context 70, window 5) merge with weight 0;
+    prefill rows whose first key tiles are all outside the window stay finite."""
+    from dataclasses import replace
+
+    case = paged_case(window + dim, MIXED, KV_HEADS * gqa, KV_HEADS, dim, block_size, poison_unused=True)
+    case.chunks = [replace(c, window=window) for c in case.chunks]
+    scale = dim**-0.5
+    kc, vc = (torch.nan_to_num(c) for c in (case.k_cache, case.v_cache))
+    want = paged_attention_reference(case.q, kc, vc, case.chunks, block_size, scale)
+    torch.testing.assert_close(run_triton(case, block_size, scale), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(torch_backend_output(case, block_size, scale), want, rtol=2e-5, atol=2e-5)

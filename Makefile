@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	@# torch first, alone: any other order lets a dependency pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[demo,dev]'
+	$(PIP) install -q -e '.[demo,dev,real]'
 	@# serve's AVX2 kernels compile once here (~30 s; cached, rebuilt on change); no compiler: torch's kernels
 	$(PY) -m serve.cpu_kernels
 	@touch $(STAMP)

@@ -20,6 +20,9 @@ Scenarios:
      round-to-nearest; int8 and float32 activations) vs Warsha bf16 on the hidden-1024 preset
      and on TinyLlama-1.1B's shape (hidden 2048, 22 layers), with each int4 path's decode-logit
      error against the dequantized float32 model.
+  g) the real Gemma 3 270M (the `real` extra; skipped with a message without it): batch-1 decode
+     and the mixed workload (16 requests with --quick), Warsha vs HF generate, float32 and bf16
+     (`benchmarks/real_gemma_bench.py`).
   c) speculative decoding at batch 1, 4, 16: the same engine with and without the draft, with the
      measured cost ratio c of a draft forward to a target forward and the predicted speedup
      (1 - a^(k+1)) / ((1 - a)(1 + k c)).
@@ -613,12 +616,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", type=Path, help="HF model dir (default: random 'small' preset)")
     p.add_argument("--draft-dir", type=Path, help="draft for scenario c (needs --model-dir)")
-    p.add_argument("--scenarios", default="a,b,c")
+    p.add_argument("--scenarios", default="a,b,c,g")
     p.add_argument("--quick", action="store_true", help="fewer requests and shorter outputs")
     p.add_argument("--skip-cb", action="store_true", help="skip transformers' continuous batching")
     p.add_argument("--no-medium", action="store_true", help="skip the hidden-1024 and -2048 presets (int4 and spec)")
     p.add_argument(
         "--int4-presets", default="medium,large", help="presets for the int4-vs-bf16 decode comparison of (b)"
+    )
+    p.add_argument(
+        "--real-requests", type=int, default=None, help="requests of (g)'s mixed workload (default 64, 16 with --quick)"
     )
     p.add_argument("--num-spec-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
@@ -629,8 +635,10 @@ def main(argv: list[str] | None = None) -> int:
     global REPEATS
     REPEATS = max(1, args.repeats)
     scenarios = set(args.scenarios.split(","))
-    small = args.model_dir or build_random_model(args.workdir / "small", "small")
-    presets = [] if args.no_medium or args.model_dir else [p for p in args.int4_presets.split(",") if p]
+    needs_small = bool(scenarios & {"a", "b"})
+    small = args.model_dir or (build_random_model(args.workdir / "small", "small") if needs_small else None)
+    presets = [] if args.no_medium or args.model_dir or "b" not in scenarios else args.int4_presets.split(",")
+    presets = [p for p in presets if p]
     int4_dirs = {p: build_random_model(args.workdir / p, p) for p in presets}
     results: dict[str, Any] = {
         "threads": args.threads,
@@ -657,7 +665,24 @@ def main(argv: list[str] | None = None) -> int:
             target = None
         if target is not None:
             results["c"] = scenario_c(target, draft, args)
+    if "g" in scenarios:
+        from benchmarks.real_gemma_bench import scenario_g
+
+        helpers = dict(
+            workload=workload,
+            run_warsha=run_warsha,
+            run_hf_static=run_hf_static,
+            decode_rate=decode_rate,
+            hf_decode_rate=hf_decode_rate,
+            hf_load=hf_load,
+            identical=identical,
+        )
+        results["g"] = scenario_g(args, helpers)
     print_report(results)
+    if "g" in results:
+        from benchmarks.real_gemma_bench import print_g
+
+        print_g(results["g"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"serve_bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for part in results.values():

@@ -4,7 +4,12 @@ Why data: AWQ needs to know which normalisation or linear layer *feeds* which li
 per-channel scale divided out of the feeder is multiplied into the fed linears, which leaves
 the float model unchanged), and GPTQ needs the order in which a decoder layer's linears see
 their inputs. Both facts are the same for every Llama-like model, so one table covers Llama,
-Mistral and Qwen2, and a new family is a new entry, not a new code path.
+Mistral, Qwen2 and Qwen3 (whose per-head q/k norms sit after q_proj/k_proj and so leave the
+input-norm -> q/k/v scaling exact), and a new family is a new entry, not a new code path.
+Gemma 3 differs in its norms: four per layer, each multiplying by (1 + w); the one before the
+MLP is `pre_feedforward_layernorm` (its `post_attention_layernorm` normalises the attention
+output and feeds no linear), and scaling a (1 + w) norm by 1/s means w' = (1 + w) / s - 1
+(`prev_kind="norm_plus_one"`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ class ScaleGroup:
     """
 
     prev: str
-    prev_kind: str  # "norm" or "linear"
+    prev_kind: str  # "norm", "norm_plus_one" (Gemma's (1 + w) RMSNorm) or "linear"
     linears: tuple[str, ...]
     inspect: str
     needs_same_width: bool = False
@@ -63,10 +68,21 @@ _LLAMA_LIKE_ORDER = (
     ("mlp.down_proj",),
 )
 
+_GEMMA3_GROUPS = (
+    ScaleGroup(
+        "input_layernorm", "norm_plus_one", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"
+    ),
+    ScaleGroup("self_attn.v_proj", "linear", ("self_attn.o_proj",), "self_attn.o_proj", needs_same_width=True),
+    ScaleGroup("pre_feedforward_layernorm", "norm_plus_one", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ScaleGroup("mlp.up_proj", "linear", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
 ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec("llama", ("llama",), "model.layers", "self_attn", _LLAMA_LIKE_ORDER, _LLAMA_LIKE_GROUPS),
     ArchSpec("mistral", ("mistral",), "model.layers", "self_attn", _LLAMA_LIKE_ORDER, _LLAMA_LIKE_GROUPS),
     ArchSpec("qwen2", ("qwen2",), "model.layers", "self_attn", _LLAMA_LIKE_ORDER, _LLAMA_LIKE_GROUPS),
+    ArchSpec("qwen3", ("qwen3",), "model.layers", "self_attn", _LLAMA_LIKE_ORDER, _LLAMA_LIKE_GROUPS),
+    ArchSpec("gemma3", ("gemma3_text",), "model.layers", "self_attn", _LLAMA_LIKE_ORDER, _GEMMA3_GROUPS),
 )
 
 

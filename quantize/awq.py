@@ -100,6 +100,8 @@ def apply_scale(prev: torch.nn.Module, prev_kind: str, linears: list[torch.nn.Li
     with torch.no_grad():
         if prev_kind == "norm":
             prev.weight.data = (prev.weight.float() / s).to(prev.weight.dtype)
+        elif prev_kind == "norm_plus_one":  # Gemma: the norm multiplies by (1 + w)
+            prev.weight.data = ((1.0 + prev.weight.float()) / s - 1.0).to(prev.weight.dtype)
         else:
             prev.weight.data = (prev.weight.float() / s[:, None]).to(prev.weight.dtype)
             if getattr(prev, "bias", None) is not None:

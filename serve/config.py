@@ -1,8 +1,9 @@
 """Model configuration read from an HF `config.json`, without transformers.
 
-Only the Llama family is served: Llama, Mistral and Qwen2 share one forward (GQA, RoPE,
-RMSNorm, SwiGLU); they differ in biases on q/k/v (Qwen2) and in naming. Anything else is
-refused at load with the list of what is supported, rather than served wrongly.
+The families served (`serve.arch`: Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) share one
+forward; this module turns config.json into the numbers and switches that forward reads, per
+layer where they differ (sliding window, RoPE). Anything else is refused at load with the list
+of what is supported, rather than served wrongly.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.rope import RopeConfig, rope_config_from_hf
+from serve.arch import SUPPORTED_MODEL_TYPES, Family, activation_name, check_unsupported, family_for, layer_windows
+from serve.rope import RopeConfig, rope_configs_by_layer_type
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+__all__ = ["SUPPORTED_MODEL_TYPES", "GPTQConfig", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,13 @@ class ModelConfig:
     attention_bias: bool
     rope: RopeConfig
     quant: GPTQConfig | None
-    sliding_window: int | None
+    sliding_window: int | None  # the largest window of any layer; None when every layer is full
+    family: Family
+    layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for full attention
+    rope_local: RopeConfig  # RoPE of sliding layers (the same as `rope` except in Gemma 3)
+    activation: str
+    attention_scale: float
+    final_logit_softcapping: float | None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -75,45 +83,49 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], path: Path | str = "config.json") -> "ModelConfig":
         """Build from a parsed config.json; `path` is only used in error messages."""
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            arch = cfg.get("architectures")
-            raise ValueError(
-                f"{path}: model_type={model_type!r} (architectures={arch}) is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family = family_for(cfg, path)
+        check_unsupported(cfg, path)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        num_layers = int(cfg["num_hidden_layers"])
         qc = cfg.get("quantization_config")
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        windows = layer_windows(cfg, family, num_layers, path)
+        ropes = rope_configs_by_layer_type(cfg, family.local_rope_base)
+        scalar = cfg.get("query_pre_attn_scalar") if family.scale_from_query_pre_attn_scalar else None
+        softcap = cfg.get("final_logit_softcapping")
         return cls(
-            model_type=model_type,
+            model_type=family.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            rope=rope_config_from_hf(cfg),
+            attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
+            rope=ropes["full_attention"],
             quant=GPTQConfig.from_dict(qc, Path(path)) if qc else None,
-            sliding_window=int(window) if window else None,
+            sliding_window=max((w for w in windows if w), default=None),
+            family=family,
+            layer_windows=windows,
+            rope_local=ropes["sliding_attention"],
+            activation=activation_name(cfg, family, path),
+            attention_scale=float(scalar if scalar is not None else head_dim) ** -0.5,
+            final_logit_softcapping=float(softcap) if softcap else None,
         )
 
     @property
     def max_model_len(self) -> int:
         """Longest sequence served exactly.
 
-        Dynamic NTK exists to run past max_position_embeddings, up to `factor` times it; a
-        sliding window (not implemented as such) caps the length where full attention is exact.
+        Dynamic NTK exists to run past max_position_embeddings, up to `factor` times it. Sliding
+        windows do not cap it: sliding layers attend to their window, as in the reference.
         """
         length = self.max_position_embeddings
         if self.rope.rope_type == "dynamic":
             length = int(length * self.rope.factor)
-        if self.sliding_window:
-            length = min(length, self.sliding_window)
         return length

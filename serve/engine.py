@@ -17,9 +17,8 @@ import torch
 
 from serve.args import EngineArgs
 from serve.attention.backend import get_backend
-from serve.block_manager import BlockManager
+from serve.block_manager import BlockManager, blocks_to_hold
 from serve.config import ModelConfig
-from serve.kv_cache import KVCache
 from serve.model import LlamaModel, resolve_dtype
 from serve.runner import ModelRunner, Proposal, TargetOutput
 from serve.sampler import Sampler, SamplingParams
@@ -75,10 +74,19 @@ class LLM:
         self._backend = get_backend(args.device, prefer=args.attention_backend)
         target = LlamaModel.load(model_dir, torch_dtype, self._backend, args.device, args.int4_activations)
         draft = self._load_draft(draft_dir, torch_dtype) if draft_dir is not None else None
+        if draft is not None:
+            draft.bind_kv_layout(target.kv_layout)  # the draft's layers share the target's block tables
         self.max_model_len = self._resolve_max_len(args.max_model_len)
         block_size = args.block_size
-        num_blocks = self._num_blocks(args, torch_dtype, draft)
-        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
+        num_blocks = self._num_blocks(args, target, draft)
+        self.block_manager = BlockManager(
+            num_blocks,
+            block_size,
+            args.enable_prefix_caching,
+            group_windows=target.kv_layout.group_windows,
+            max_chunk_tokens=args.max_num_batched_tokens,
+            track_draft=draft is not None,
+        )
         sched_cfg = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -134,17 +142,19 @@ class LLM:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
         return requested
 
-    def _num_blocks(self, args: EngineArgs, dtype: torch.dtype, draft: LlamaModel | None) -> int:
-        """KV blocks from an explicit count or a memory budget (capped at what max_num_seqs can use)."""
+    def _num_blocks(self, args: EngineArgs, target: LlamaModel, draft: LlamaModel | None) -> int:
+        """KV blocks from an explicit count or a memory budget (capped at what max_num_seqs can use).
+
+        A block holds one block group's layers (`serve.kv_layout`), in the target and the draft.
+        """
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
         memory_gb, block_size, max_seqs = args.kv_cache_memory_gb, args.block_size, args.max_num_seqs
-        c = self.config
-        per_block = KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
+        per_block = target.kv_bytes_per_block(block_size)
         if draft is not None:
-            d = draft.config
-            per_block += KVCache.bytes_per_block(d.num_layers, block_size, d.num_kv_heads, d.head_dim, dtype)
-        useful = max_seqs * -(-self.max_model_len // block_size) + 1
+            per_block += draft.kv_bytes_per_block(block_size)
+        windows = target.kv_layout.group_windows
+        useful = max_seqs * blocks_to_hold(windows, block_size, self.max_model_len, args.max_num_batched_tokens) + 1
         return max(1, min(int(memory_gb * 2**30) // per_block, useful))
 
     # ----------------------------------------------------------------- requests

@@ -58,10 +58,12 @@ class KVCache:
 def block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
     """Pad block tables to one int64 tensor [num_seqs, max_blocks] (padding points at block 0).
 
-    Padding is never read unmasked: attention masks key positions past each context length.
+    Padding and handed-back entries (`NULL_BLOCK`, outside a sliding window) also point at block
+    0 and are never read unmasked: attention masks key positions past each context length and
+    before each window.
     """
     width = max((len(t) for t in tables), default=0) or 1
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).clamp_(min=0)
 
 
 def slots_for(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

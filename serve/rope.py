@@ -69,6 +69,32 @@ def rope_config_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+def rope_configs_by_layer_type(cfg: dict[str, Any], local_base: bool) -> dict[str, RopeConfig]:
+    """RoPE of full-attention and sliding layers: one config for both, or (Gemma 3) one each.
+
+    Gemma 3 keeps `rope_parameters` keyed by layer type (transformers 5) or, in older files,
+    `rope_theta` (+ `rope_scaling`) for full layers and `rope_local_base_freq` for sliding ones.
+    """
+    params = cfg.get("rope_parameters") or {}
+    if not local_base:
+        shared = rope_config_from_hf(cfg)
+        return {"full_attention": shared, "sliding_attention": shared}
+    out: dict[str, RopeConfig] = {}
+    for kind, theta_key, default_theta in (
+        ("full_attention", "rope_theta", 1_000_000.0),
+        ("sliding_attention", "rope_local_base_freq", 10_000.0),
+    ):
+        if kind in params:
+            sub = dict(params[kind] or {"rope_type": "default"})
+        elif kind == "full_attention":
+            sub = dict(cfg.get("rope_scaling") or {"rope_type": "default"})
+        else:
+            sub = {"rope_type": "default"}
+        sub.setdefault("rope_theta", cfg.get(theta_key, default_theta))
+        out[kind] = rope_config_from_hf({**cfg, "rope_parameters": sub, "rope_scaling": None})
+    return out
+
+
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
     """theta^(-2i/dim) for i < dim/2, in float32."""
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))

@@ -51,7 +51,7 @@ def build_forward(
         base = len(ids)
         ids.extend(toks)
         positions.extend(range(start, start + len(toks)))
-        chunks.append(SeqChunk(base, len(toks), start + len(toks), seq.block_table))
+        chunks.append(SeqChunk(base, len(toks), start + len(toks), seq.block_table, tuple(seq.group_tables)))
         wanted.extend(base + r for r in rows)
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),

@@ -93,9 +93,9 @@ class Scheduler:
                 "shorten the prompt or lower max_tokens"
             )
         bm = self.block_manager
-        if bm.blocks_needed(seq.max_total_tokens) > bm.num_blocks:
+        if bm.blocks_to_hold(seq.max_total_tokens) > bm.num_blocks:
             raise AdmissionError(
-                f"request {seq.request_id}: needs {bm.blocks_needed(seq.max_total_tokens)} KV blocks but the "
+                f"request {seq.request_id}: needs {bm.blocks_to_hold(seq.max_total_tokens)} KV blocks but the "
                 f"cache has only {bm.num_blocks}; raise the KV cache size or lower max_tokens"
             )
         if len(self.waiting) >= cfg.max_waiting:

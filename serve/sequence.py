@@ -46,7 +46,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     draft_num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # block group 0 (full attention when the model has it)
+    group_tables: list[list[int]] = field(default_factory=list)  # tables of block groups 1.. (`serve.kv_layout`)
     block_hashes: list[int] = field(default_factory=list)
     spec_allowed: bool = True
     status: SequenceStatus = SequenceStatus.WAITING

@@ -17,13 +17,18 @@ class SeqChunk:
     """One sequence's share of a forward: `query_len` new tokens ending a `context_len` context.
 
     The queries occupy rows [query_start, query_start + query_len) of the flat token batch and
-    sit at positions [context_len - query_len, context_len).
+    sit at positions [context_len - query_len, context_len). With a sliding `window`, a query at
+    position p sees keys at positions (p - window, p] only, and `block_table` may hold
+    `NULL_BLOCK` where blocks no query can see were handed back. `group_tables` are the
+    sequence's tables of further block groups (`serve.kv_layout`); the model picks one per layer.
     """
 
     query_start: int
     query_len: int
     context_len: int
     block_table: list[int]
+    group_tables: tuple[list[int], ...] = ()
+    window: int | None = None
 
 
 class AttentionBackend(Protocol):

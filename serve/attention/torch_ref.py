@@ -91,6 +91,16 @@ def split_by_context(
     return [sorted(p) for p in parts]
 
 
+def _mask(ctx: torch.Tensor, q_len: int, length: int, key_start: int, window: int | None) -> torch.Tensor:
+    """Additive mask [B, Q, L]: keys at positions key_start + j, causal and inside the window."""
+    q_pos = (ctx - q_len)[:, None] + torch.arange(q_len)[None, :]
+    k_pos = key_start + torch.arange(length)[None, None, :]
+    allowed = k_pos <= q_pos[:, :, None]
+    if window is not None:
+        allowed &= k_pos > q_pos[:, :, None] - window
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+
+
 class TorchPagedAttention:
     """The reference backend (CPU, and CUDA until Triton kernels exist)."""
 
@@ -133,17 +143,19 @@ class TorchPagedAttention:
             else (torch.tensor([chunks[i].query_start for i in idx])[:, None] + torch.arange(q_len)).reshape(-1)
         )
         ctx = torch.tensor([chunks[i].context_len for i in idx])
+        window = chunks[idx[0]].window
         if len(idx) == 1 and int(ctx[0]) == q_len:
-            return AttentionGroup(q_len, 1, row_range, rows, None, 0, block_size, None)
+            mask = None if window is None or q_len <= window else _mask(ctx, q_len, q_len, 0, window)
+            return AttentionGroup(q_len, 1, row_range, rows, None, 0, block_size, mask)
         n_blocks = -(-int(ctx.max()) // block_size)
-        block_ids = tables[torch.tensor(idx)][:, :n_blocks].reshape(-1)
-        length = n_blocks * block_size
+        # a sliding window reads only from the first block any of the group's queries can see
+        first = 0 if window is None else max(0, int((ctx - q_len).min()) - window + 1) // block_size
+        block_ids = tables[torch.tensor(idx)][:, first:n_blocks].reshape(-1)
+        length = (n_blocks - first) * block_size
         mask = None
-        if q_len > 1 or bool((ctx != length).any()):
-            q_pos = (ctx - q_len)[:, None] + torch.arange(q_len)[None, :]
-            allowed = torch.arange(length)[None, None, :] <= q_pos[:, :, None]
-            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        return AttentionGroup(q_len, len(idx), row_range, rows, block_ids, n_blocks, block_size, mask)
+        if q_len > 1 or bool((ctx != n_blocks * block_size).any()) or window is not None:
+            mask = _mask(ctx, q_len, length, first * block_size, window)
+        return AttentionGroup(q_len, len(idx), row_range, rows, block_ids, n_blocks - first, block_size, mask)
 
     def slot_mapping(self, metadata: TorchAttentionMetadata) -> torch.Tensor:
         """Cache slot of every new token."""
@@ -209,7 +221,8 @@ class TorchPagedAttention:
                 qg.transpose(1, 2),
                 kg.transpose(1, 2),
                 vg.transpose(1, 2),
-                is_causal=g.query_len > 1,
+                attn_mask=None if g.mask is None else g.mask[:, None].to(qg.dtype),
+                is_causal=g.query_len > 1 and g.mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
@@ -260,13 +273,16 @@ def paged_attention_reference(
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     out = torch.empty_like(q)
     for c in chunks:
-        slots = [c.block_table[p // block_size] * block_size + p % block_size for p in range(c.context_len)]
+        table = [max(b, 0) for b in c.block_table]  # handed-back blocks are masked below
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(c.context_len)]
         k = k_cache[:, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=1)
         v = v_cache[:, slots].transpose(0, 1).float().repeat_interleave(heads // kv_heads, dim=1)
         qc = q[c.query_start : c.query_start + c.query_len].float()
         scores = torch.einsum("qhd,khd->hqk", qc, k) * scale
         q_pos = torch.arange(c.context_len - c.query_len, c.context_len)
         allowed = torch.arange(c.context_len)[None, :] <= q_pos[:, None]
+        if c.window is not None:
+            allowed &= torch.arange(c.context_len)[None, :] > q_pos[:, None] - c.window
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         out[c.query_start : c.query_start + c.query_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(
             q.dtype

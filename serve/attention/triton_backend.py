@@ -65,6 +65,7 @@ class TritonAttentionMetadata:
     block_size: int
     decode: DecodePlan | None
     prefill: PrefillPlan | None
+    window: int = 0  # sliding window of every chunk (0: full attention)
 
 
 def _int32(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
@@ -93,6 +94,9 @@ class TritonPagedAttention:
     def build_metadata(self, chunks: list[SeqChunk], block_size: int) -> TritonAttentionMetadata:
         """Slot mapping plus a decode plan (query length 1) and a prefill plan (the rest)."""
         _check_layout(chunks)
+        windows = {c.window for c in chunks}
+        if len(windows) > 1:
+            raise ValueError(f"attention metadata: one forward's chunks must share a window, got {windows}")
         tables = block_table_tensor([c.block_table for c in chunks])
         seq_of_token = [i for i, c in enumerate(chunks) for _ in range(c.query_len)]
         positions = [p for c in chunks for p in range(c.context_len - c.query_len, c.context_len)]
@@ -105,6 +109,7 @@ class TritonPagedAttention:
             block_size=block_size,
             decode=self._decode_plan([chunks[i] for i in decode], tables[decode]) if decode else None,
             prefill=self._prefill_plan([chunks[i] for i in prefill], tables[prefill]) if prefill else None,
+            window=next(iter(windows)) or 0,
         )
 
     def _decode_plan(self, chunks: list[SeqChunk], tables: torch.Tensor) -> DecodePlan:
@@ -171,6 +176,7 @@ class TritonPagedAttention:
                 metadata.block_size,
                 scale,
                 self.partition_size,
+                metadata.window,
             )
         if p is not None:
             triton_prefill.paged_prefill(
@@ -189,6 +195,7 @@ class TritonPagedAttention:
                 metadata.block_size,
                 self.block_m,
                 scale,
+                metadata.window,
             )
         return out
 

@@ -43,6 +43,7 @@ def _decode_partition_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ch,
@@ -71,6 +72,9 @@ def _decode_partition_kernel(
     part = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     start = part * PARTITION
+    lo = 0  # first key position the query sees (sliding window; 0 without one)
+    if window > 0:
+        lo = tl.maximum(ctx - window, 0)
     if start < ctx:
         end = tl.minimum(start + PARTITION, ctx)
         row = tl.load(q_rows_ptr + seq).to(tl.int64)
@@ -89,9 +93,12 @@ def _decode_partition_kernel(
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         cache_head = kv_head.to(tl.int64) * stride_ch
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for n0 in range(start, end, BLOCK_N):
+        # start at the tile holding `lo`: every tile visited has a visible key, so m_i stays finite;
+        # a partition wholly before the window visits none and merges with weight 0
+        first = tl.maximum(start, lo - lo % BLOCK_N)
+        for n0 in range(first, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < end
+            n_ok = (n < end) & (n >= lo)
             block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             slot = block * BLOCK_SIZE + n % BLOCK_SIZE
             kv_off = cache_head + slot[:, None] * stride_cs + d[None, :]
@@ -106,6 +113,7 @@ def _decode_partition_kernel(
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # a partition before the window: o = 0, lse = -inf
         o = acc / l_i[:, None]
         if SPLIT:
             dst = seq.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + part * stride_pp + d[None, :]
@@ -190,6 +198,7 @@ def paged_decode(
     block_size: int,
     scale: float,
     partition_size: int,
+    window: int = 0,
 ) -> None:
     """Write attention of the query rows `q_rows` [B] of q [T, H, D] into the same rows of `out`.
 
@@ -228,6 +237,7 @@ def paged_decode(
         part_out,
         part_lse,
         scale * LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

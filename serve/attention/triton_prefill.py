@@ -38,8 +38,11 @@ def _softmax_step(q, k, v, s_ok, qk_scale, m_i, l_i, acc, PRECISION: tl.constexp
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(s_ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # a row that has seen no visible key yet (sliding window) keeps m = -inf: subtract 0 instead,
+    # so that its alpha and p are 0 rather than NaN
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, l_i, acc
@@ -60,6 +63,7 @@ def _prefill_kernel(
     q_lens_ptr,
     context_lens_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -112,7 +116,8 @@ def _prefill_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        m_i, l_i, acc = _softmax_step(q, k, v, n_ok[None, :], qk_scale, m_i, l_i, acc, PRECISION)
+        seen = n_ok[None, :] & ((window <= 0) | (n[None, :] > (prefix + qi)[:, None] - window))
+        m_i, l_i, acc = _softmax_step(q, k, v, seen, qk_scale, m_i, l_i, acc, PRECISION)
 
     hi = tl.minimum(m0 + BLOCK_M, q_len)
     for j0 in range(0, hi, BLOCK_N):  # phase 2: the chunk itself, causal
@@ -127,9 +132,10 @@ def _prefill_kernel(
             tl.float32
         )
         visible = j_ok[None, :] & (j[None, :] <= qi[:, None])
+        visible = visible & ((window <= 0) | (j[None, :] > qi[:, None] - window))
         m_i, l_i, acc = _softmax_step(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
 
-    o = acc / l_i[:, None]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padded rows saw nothing
     o_off = (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_off, round_to(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -150,6 +156,7 @@ def paged_prefill(
     block_size: int,
     block_m: int,
     scale: float,
+    window: int = 0,
 ) -> None:
     """Write attention of the listed query tiles into `out` [T, H, D].
 
@@ -180,6 +187,7 @@ def paged_prefill(
         q_lens,
         context_lens,
         scale * LOG2E,
+        window,
         q.stride(0),
         q.stride(1),
         k_new.stride(0),

@@ -78,8 +78,13 @@ def tiny_model(seed: int = 0, outliers: bool = True, **kw: Any) -> Any:
     if outliers:
         with torch.no_grad():
             for layer in model.model.layers:
-                layer.input_layernorm.weight[:4] *= 20
-                layer.post_attention_layernorm.weight[:4] *= 20
+                # Gemma's norms multiply by (1 + w) and start at w = 0: give them the same outliers
+                pre_mlp = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
+                for norm in (layer.input_layernorm, pre_mlp):
+                    if model.config.model_type == "gemma3_text":
+                        norm.weight[:4] = 19.0
+                    else:
+                        norm.weight[:4] *= 20
     return model
 
 

@@ -132,9 +132,13 @@ def test_dequantized_export_equals_fake_quantized_model(
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
 
 
-@pytest.mark.parametrize("model_type,kv_heads", [("qwen2", 4), ("mistral", 2)])
+PRE_MLP_NORM = {"gemma3_text": "pre_feedforward_layernorm"}
+
+
+@pytest.mark.parametrize("model_type,kv_heads", [("qwen2", 4), ("mistral", 2), ("qwen3", 4), ("gemma3_text", 2)])
 def test_other_families_round_trip(tmp_path: Path, model_type: str, kv_heads: int) -> None:
-    """Qwen2 has q/k/v biases; grouped-query attention makes v -> o scaling impossible."""
+    """Qwen2 has q/k/v biases; grouped-query attention makes v -> o scaling impossible; Qwen3 has
+    per-head q/k norms; Gemma 3 has four (1 + w) norms, of which two feed linears."""
     model = tiny_model(seed=2, model_type=model_type, kv_heads=kv_heads)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -146,7 +150,7 @@ def test_other_families_round_trip(tmp_path: Path, model_type: str, kv_heads: in
     quantized, plan = _quantize(model, "awq", spec, "awq", alphas=alphas)
     assert len(quantized) == 14
     feeders = {k.split(".", 3)[3] for k in alphas}
-    expect = {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"} | (
+    expect = {"input_layernorm", PRE_MLP_NORM.get(model_type, "post_attention_layernorm"), "mlp.up_proj"} | (
         {"self_attn.v_proj"} if kv_heads == 4 else set()
     )
     assert feeders == expect  # v -> o only where v's output width equals o's input width
@@ -154,9 +158,9 @@ def test_other_families_round_trip(tmp_path: Path, model_type: str, kv_heads: in
 
 
 def test_unknown_architecture_is_refused() -> None:
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*gemma3_text, llama, mistral, qwen2, qwen3"):
         arch_for("gpt2")
-    assert supported_model_types() == ["llama", "mistral", "qwen2"]
+    assert supported_model_types() == ["gemma3_text", "llama", "mistral", "qwen2", "qwen3"]
 
 
 def test_bad_group_size_names_the_layers() -> None:

@@ -46,11 +46,20 @@ def write_tokenizer(path: Path) -> int:
     return tok.get_vocab_size()
 
 
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+
 def make_model(
     path: Path, seed: int = 0, arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides: Any
 ) -> Path:
     """Save a random tiny model (plus tokenizer) to `path` and return it."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     vocab = write_tokenizer(path)
     kwargs: dict[str, Any] = dict(
@@ -68,11 +77,16 @@ def make_model(
         tie_word_embeddings=False,
     )
     kwargs.update(overrides)
-    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg_name, model_name = ARCHS[arch]
+    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     torch.manual_seed(seed)
     damp_from = kwargs.pop("_damp_layers_from", None)
     shard = kwargs.pop("_shard", None)
     model = model_cls(cfg_cls(**kwargs)).to(dtype).eval()
+    with torch.no_grad():  # norms start at 1 (0 for Gemma's 1 + w): random ones test that each is applied
+        for name, param in model.named_parameters():
+            if arch in ("qwen3", "gemma3") and name.endswith("norm.weight"):
+                param.add_(torch.randn(param.shape, dtype=param.dtype) * 0.2)
     if damp_from is not None:  # later layers barely change the residual: a layer-skip draft agrees often
         with torch.no_grad():
             for layer in model.model.layers[damp_from:]:
@@ -94,6 +108,8 @@ def make_layer_skip_draft(target: Path, path: Path, num_layers: int = 1) -> Path
             shutil.copy(target / name, path / name)
     cfg = json.loads((target / "config.json").read_text())
     cfg["num_hidden_layers"] = num_layers
+    if cfg.get("layer_types"):
+        cfg["layer_types"] = cfg["layer_types"][:num_layers]
     (path / "config.json").write_text(json.dumps(cfg))
     state = load_file(str(target / "model.safetensors"))
     keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}

@@ -20,7 +20,8 @@ from tests.serve.triton_cases import PagedCase, kernel_device, nan_alloc, paged_
 # (context_len, query_len): decode steps (one crossing several 32-token partitions), a fresh
 # prompt, chunks continuing a cached prefix across block boundaries, and a 1-token context.
 MIXED = [(70, 1), (40, 40), (1, 1), (57, 23), (33, 1), (19, 3)]
-ALL_PAIRS = [(16, 64, 1), (32, 128, 4), (16, 128, 8), (32, 64, 8), (16, 64, 4), (32, 128, 1)]
+# head_dim 256 with 4 query heads per KV head is Gemma 3 270M's shape
+ALL_PAIRS = [(16, 64, 1), (32, 128, 4), (16, 128, 8), (32, 64, 8), (16, 64, 4), (32, 128, 1), (16, 256, 4)]
 FULL = list(itertools.product((16, 32), (64, 128), (1, 4, 8)))
 KV_HEADS = 2
 
@@ -185,3 +186,19 @@ def test_forward_rejects_mismatched_inputs() -> None:
         backend.forward(case.q[:, :3], case.k_new, case.v_new, case.k_cache, case.v_cache, meta, 0.125)
     with pytest.raises(ValueError, match="partition_size"):
         TritonPagedAttention(device, partition_size=40)
+
+
+@pytest.mark.parametrize("window", [5, 24])
+@pytest.mark.parametrize("block_size,dim,gqa", [(16, 64, 4), (16, 256, 4)])
+def test_sliding_window_matches_reference(window: int, block_size: int, dim: int, gqa: int) -> None:
+    """Decode partitions wholly before the window (context 70, window 5) merge with weight 0;
+    prefill rows whose first key tiles are all outside the window stay finite."""
+    from dataclasses import replace
+
+    case = paged_case(window + dim, MIXED, KV_HEADS * gqa, KV_HEADS, dim, block_size, poison_unused=True)
+    case.chunks = [replace(c, window=window) for c in case.chunks]
+    scale = dim**-0.5
+    kc, vc = (torch.nan_to_num(c) for c in (case.k_cache, case.v_cache))
+    want = paged_attention_reference(case.q, kc, vc, case.chunks, block_size, scale)
+    torch.testing.assert_close(run_triton(case, block_size, scale), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(torch_backend_output(case, block_size, scale), want, rtol=2e-5, atol=2e-5)

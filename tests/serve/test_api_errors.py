@@ -31,7 +31,8 @@ def plain_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServe
 
 
 def post(srv: RunningServer, path: str, body: object = None, content: bytes | None = None) -> tuple[int, dict]:
-    r = httpx.post(f"{srv.url}{path}", json=body, content=content, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    r = httpx.post(f"{srv.url}{path}", json=body, content=content, headers=headers, timeout=60)
     return r.status_code, r.json()
 
 

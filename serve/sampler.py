@@ -61,7 +61,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive vocabulary rank, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -48,7 +48,7 @@ class Sequence:
     num_computed_tokens: int = 0
     draft_num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     spec_allowed: bool = True
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None

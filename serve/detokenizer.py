@@ -41,6 +41,13 @@ class IncrementalText:
             self.text += after[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
 
+    def pending(self) -> str:
+        """Whole characters decoded from ids not yet in `text` (those end in an incomplete one)."""
+        if self.read == len(self.ids):
+            return ""
+        before = self.decode(self.ids[self.prefix : self.read])
+        return self.decode(self.ids[self.prefix :])[len(before) :].rstrip("\ufffd")
+
     def next_delta(self, final_text: str | None) -> str:
         """Text not sent yet; `final_text` (the engine's, cut at a stop string) ends the stream."""
         if final_text is not None:
@@ -72,7 +79,7 @@ class StopMatcher:
     def add(self, token: int) -> tuple[str, str] | None:
         """Extend by one token; on a hit, (output text cut at the stop string, the stop string)."""
         self.text.add([token])
-        text = self.text.text
+        text = self.text.text + self.text.pending()  # a stop may end just before an incomplete character
         start = max(0, self.checked - self.window)
         self.checked = len(text)
         hits = [(pos, s) for s in self.stops if (pos := text.find(s, start)) >= 0]

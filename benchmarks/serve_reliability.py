@@ -178,13 +178,16 @@ async def hostile(client: httpx.AsyncClient, kind: str, max_bytes: int) -> dict[
 
 
 async def watch_health(url: str, stop: asyncio.Event) -> list[float]:
-    """/health latencies (seconds), sampled every 50 ms until `stop`."""
+    """/health latencies (seconds; -1 for a failed probe), sampled every 50 ms until `stop`."""
     out = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         while not stop.is_set():
             t = time.perf_counter()
-            await client.get("/health")
-            out.append(time.perf_counter() - t)
+            try:
+                ok = (await client.get("/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            out.append(time.perf_counter() - t if ok else -1.0)
             await asyncio.sleep(0.05)
     return out
 
@@ -270,7 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if res["status"] != EXPECTED_STATUS[arg]:
             hostile_bad.append({"kind": arg, "status": res["status"], "error": res.get("error")})
     leaked = int(metrics["warsha_kv_cache_blocks"] - metrics["warsha_kv_cache_free_blocks"])
-    health_sorted = sorted(health) or [0.0]
+    health_failed = sum(1 for h in health if h < 0)
+    health_sorted = sorted(h for h in health if h >= 0) or [0.0]
     return {
         "requests": args.requests,
         "hostile": n_hostile,
@@ -286,13 +290,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "max_request_bytes": args.max_request_bytes,
         "health_probes": len(health),
+        "health_failed": health_failed,
         "health_p50_ms": 1000 * health_sorted[len(health_sorted) // 2],
         "health_max_ms": 1000 * health_sorted[-1],
         "health_after": alive,
         "storm_seconds": storm_seconds,
         "reference_seconds": ref_seconds,
         "load_average": os.getloadavg(),
-        "passed": ok_identical == ok_total and ok_5xx == 0 and leaked == 0 and not hostile_bad and alive == 200,
+        "passed": ok_identical == ok_total
+        and ok_5xx == 0
+        and leaked == 0
+        and not hostile_bad
+        and alive == 200
+        and health_failed == 0,
     }
 
 
@@ -307,7 +317,7 @@ def print_report(r: dict[str, Any]) -> None:
         ("hostile with unexpected status", len(r["hostile_unexpected"])),
         ("KV blocks in pool", r["kv_blocks"]),
         ("KV blocks leaked when idle", r["kv_blocks_leaked"]),
-        ("/health probes", r["health_probes"]),
+        ("/health probes (failed)", f"{r['health_probes']} ({r['health_failed']})"),
         ("/health p50 / max (ms)", f"{r['health_p50_ms']:.1f} / {r['health_max_ms']:.1f}"),
         ("storm wall time (s)", f"{r['storm_seconds']:.1f}"),
         ("load average (1/5/15 min)", " ".join(f"{x:.1f}" for x in r["load_average"])),

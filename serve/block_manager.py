@@ -8,7 +8,10 @@ Why each mechanism exists:
   instead of reserving max-length contiguous memory per request;
 - reference counts let many sequences share one physical block (prefix hits, forks);
 - prefix caching keys every *full* block by a hash chained over all tokens before it, so a
-  block is reused only when the whole prefix matches. Freed cached blocks stay hashed in the
+  block is reused only when the whole prefix matches. The key is sha256(parent key, token
+  ids), not Python's `hash()`: a 64-bit non-cryptographic hash lets a client craft a prompt
+  whose blocks collide with another user's cached prefix (vLLM's CVE-2025-25183), and the
+  token-id comparison on a hit stays as a second guard. Freed cached blocks stay hashed in the
   free list and are evicted least-recently-freed first; tails are freed first because a
   prefix's later blocks are less likely to be shared than its head;
 - copy-on-write: a sequence about to write into a block another sequence still holds gets a
@@ -23,6 +26,8 @@ Why each mechanism exists:
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -42,9 +47,11 @@ class Block:
     token_ids: tuple[int, ...] | None = None
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it (None for the first)."""
-    return hash((parent, token_ids))
+def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """sha256 key of a full block given the key of the block before it (None for the first)."""
+    h = hashlib.sha256(parent if parent is not None else b"warsha-prefix-root")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
 
 
 class CachedPrefix(list):
@@ -101,7 +108,7 @@ class BlockManager:
         self.track_draft = track_draft
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}
+        self._cached: dict[Hashable, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
 
     # ----------------------------------------------------------------- accounting
@@ -167,7 +174,7 @@ class BlockManager:
             return []
         bs, windows = self.block_size, self.group_windows
         found: list[list[int | None]] = [[] for _ in windows]
-        parent: int | None = None
+        parent: bytes | None = None
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = chain_hash(parent, tokens)

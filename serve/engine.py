@@ -9,7 +9,9 @@ benchmark runs the engine with and without a draft side by side).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from serve.args import EngineArgs
 from serve.attention.backend import get_backend
 from serve.block_manager import BlockManager, blocks_to_hold
 from serve.config import ModelConfig
+from serve.detokenizer import StopMatcher
 from serve.model import LlamaModel, resolve_dtype
 from serve.runner import ModelRunner, Proposal, TargetOutput
 from serve.sampler import Sampler, SamplingParams
@@ -29,6 +32,7 @@ from serve.stats import EngineStats
 from serve.tokenizer import Tokenizer, first_vocab_difference
 from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab
 
+log = logging.getLogger("serve.engine")
 Prompt = str | list[int]
 NewTokens = dict[int, list[tuple[int, dict[int, float] | None]]]  # batch row -> (token, logprobs) in order
 
@@ -45,6 +49,16 @@ class RequestOutput:
     finish_reason: str | None = None
     text: str = ""
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    error: str | None = None  # set when finish_reason is "error": why the engine failed this request
+
+
+class _BatchFailure(Exception):
+    """Computing a batch raised; the batch's sequences were restored to their state before it."""
+
+    def __init__(self, seqs: list[Sequence], cause: Exception) -> None:
+        super().__init__(repr(cause))
+        self.seqs = seqs
+        self.cause = cause
 
 
 class LLM:
@@ -103,6 +117,8 @@ class LLM:
         self._generators: dict[str, torch.Generator] = {}
         self._logprobs: dict[str, list[dict[int, float]]] = {}
         self._seqs: dict[str, Sequence] = {}
+        self._stops: dict[str, StopMatcher] = {}
+        self._errors: dict[str, str] = {}
         self._ids = itertools.count()
         self._eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
         self._step_spec = (0, 0)
@@ -167,15 +183,23 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if params.top_k > self.config.vocab_size:
+            raise ValueError(
+                f"top_k must be -1 (disabled) or at most the vocabulary size {self.config.vocab_size}, "
+                f"got {params.top_k}"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise ValueError(f"request_id {rid!r} is already in use")
+        # everything that can fail happens before the scheduler holds the request, so a refused
+        # request never stays behind in the engine
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(rid, ids, params.max_tokens, time.perf_counter(), params=params)
         seq.spec_allowed = not params.has_penalties and params.logprobs is None
         self.scheduler.add(seq)
         self._seqs[rid] = seq
-        if params.seed is not None:
-            self._generators[rid] = torch.Generator().manual_seed(params.seed)
+        if generator is not None:
+            self._generators[rid] = generator
         return rid
 
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -196,13 +220,34 @@ class LLM:
         self._logprobs.pop(request_id, None)
         return True
 
+    def abort_all(self) -> list[str]:
+        """Abort every queued and running request (the server's last resort); returns their ids."""
+        ids = [s.request_id for s in list(self.scheduler.running) + list(self.scheduler.waiting)]
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run."""
         return self.scheduler.has_unfinished()
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling iteration; outputs for requests that advanced or finished."""
+        """Run one scheduling iteration; outputs for requests that advanced or finished.
+
+        One request must not fail the others: if computing the batch raises, each of its
+        requests is stepped again on its own, and only those that fail alone finish with
+        finish_reason "error" (blocks freed, `RequestOutput.error` says why); the rest advance
+        as usual. Greedy outputs are unchanged by the retry; a seeded request's draws may
+        differ, as the failed attempt consumed some of its generator's noise.
+        """
+        try:
+            return self._step_once()
+        except _BatchFailure as failure:
+            return self._isolate(failure.seqs, failure.cause)
+
+    def _step_once(self) -> list[RequestOutput]:
+        """Schedule, compute and commit one batch; raises _BatchFailure (state restored) if computing fails."""
         n_decoding = sum(1 for s in self.scheduler.running if s.is_decoding)
         k = self.spec.k if self.spec and n_decoding and self.spec.should_speculate(n_decoding) else 0
         batch = self.scheduler.schedule(num_spec_tokens=k)
@@ -214,15 +259,56 @@ class LLM:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
-        self.runner.copy_blocks(self.block_manager.take_pending_copies())
-        proposal = self.runner.propose(batch, self._generators)
-        scored = self.runner.score(batch, proposal)
-        new_tokens = self._sample_plain(batch, scored)
-        if proposal is not None:
-            new_tokens.update(self._verify(batch, proposal, scored.spec_logits))
+        saved = [(s.num_computed_tokens, s.draft_num_computed_tokens) for s in batch.seqs]
+        try:
+            self.runner.copy_blocks(self.block_manager.take_pending_copies())
+            proposal = self.runner.propose(batch, self._generators)
+            scored = self.runner.score(batch, proposal)
+            new_tokens = self._sample_plain(batch, scored)
+            if proposal is not None:
+                new_tokens.update(self._verify(batch, proposal, scored.spec_logits))
+        except Exception as exc:
+            for seq, (computed, draft_computed) in zip(batch.seqs, saved):
+                seq.num_computed_tokens, seq.draft_num_computed_tokens = computed, draft_computed
+            raise _BatchFailure(list(batch.seqs), exc) from exc
         outputs = self._commit(batch, new_tokens, proposal)
         self._record_step(batch, proposal, decode_only, time.perf_counter() - started)
         return outputs
+
+    def _isolate(self, seqs: list[Sequence], cause: Exception) -> list[RequestOutput]:
+        """Step each request of a failed batch alone; fail only the ones that fail alone."""
+        log.warning("a batch of %d requests failed (%r); retrying them one by one", len(seqs), cause)
+        sched = self.scheduler
+        running, waiting = sched.running, sched.waiting
+        outputs: list[RequestOutput] = []
+        culprits: list[tuple[Sequence, Exception]] = []
+        try:
+            for seq in seqs:
+                if seq.is_finished:
+                    continue
+                sched.running = [seq] if seq.status is SequenceStatus.RUNNING else []
+                sched.waiting = deque([seq] if seq.status is SequenceStatus.WAITING else [])
+                try:
+                    outputs.extend(self._step_once())
+                except _BatchFailure as failure:
+                    culprits.append((seq, failure.cause))
+        finally:  # put every request back where it belongs, in its original order
+            everyone = list(running) + list(waiting)
+            sched.running = [s for s in everyone if s.status is SequenceStatus.RUNNING]
+            sched.waiting = deque(s for s in everyone if s.status is SequenceStatus.WAITING)
+        for seq, exc in culprits:
+            log.error("request %s failed on its own and is aborted: %r", seq.request_id, exc)
+            outputs.append(self._fail(seq, exc))
+        return outputs
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """Finish `seq` with status error (its blocks freed) and return its final output."""
+        self._errors[seq.request_id] = f"{type(exc).__name__}: {exc}"
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        seq.status = SequenceStatus.FINISHED_ERROR
+        self._release(seq)
+        return self._output(seq, [])
 
     def _sample_plain(self, batch: ScheduledBatch, scored: TargetOutput) -> NewTokens:
         """Sample one token for every row that caught up without speculation."""
@@ -264,26 +350,41 @@ class LLM:
         spec_rows = set(proposal.rows) if proposal else set()
         now = time.perf_counter()
         for i, seq in enumerate(batch.seqs):
-            seq.num_computed_tokens += batch.num_new_tokens[i]
-            appended: list[int] = []
-            for token, logprob in new_tokens.get(i, []):
-                appended.append(token)
-                if self._append(seq, token, logprob, now):
-                    break
-            if seq.is_finished:
-                self._release(seq)
-            else:
-                if i in spec_rows or batch.num_spec_tokens[i]:
-                    self.block_manager.trim(seq, seq.num_tokens)
-                ready = (
-                    min(seq.num_computed_tokens, seq.draft_num_computed_tokens)
-                    if self.spec
-                    else seq.num_computed_tokens
-                )
-                self.block_manager.cache_full_blocks(seq, ready)
-            if appended or seq.is_finished:
-                outputs.append(self._output(seq, appended))
+            try:
+                output = self._commit_one(seq, batch, i, new_tokens.get(i, []), i in spec_rows, now)
+            except Exception as exc:  # bookkeeping of one request (its stop strings, say) fails it alone
+                log.exception("request %s failed while committing its tokens", seq.request_id)
+                output = self._fail(seq, exc)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _commit_one(
+        self,
+        seq: Sequence,
+        batch: ScheduledBatch,
+        i: int,
+        tokens: list[tuple[int, dict[int, float] | None]],
+        speculated: bool,
+        now: float,
+    ) -> RequestOutput | None:
+        """Commit row `i` of the batch; its output if it advanced or finished."""
+        seq.num_computed_tokens += batch.num_new_tokens[i]
+        appended: list[int] = []
+        for token, logprob in tokens:
+            appended.append(token)
+            if self._append(seq, token, logprob, now):
+                break
+        if seq.is_finished:
+            self._release(seq)
+        else:
+            if speculated or batch.num_spec_tokens[i]:
+                self.block_manager.trim(seq, seq.num_tokens)
+            ready = (
+                min(seq.num_computed_tokens, seq.draft_num_computed_tokens) if self.spec else seq.num_computed_tokens
+            )
+            self.block_manager.cache_full_blocks(seq, ready)
+        return self._output(seq, appended) if appended or seq.is_finished else None
 
     def _append(self, seq: Sequence, token: int, logprob: dict[int, float] | None, now: float) -> bool:
         """Append one generated token; returns True when it finished the request."""
@@ -297,7 +398,7 @@ class LLM:
         status = None
         if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq, params):
+        elif params.stop and self.tokenizer is not None and self._hit_stop_string(seq, params, token):
             status = SequenceStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             status = SequenceStatus.FINISHED_LENGTH
@@ -307,15 +408,19 @@ class LLM:
         self.scheduler.finish(seq, status)
         return True
 
-    def _hit_stop_string(self, seq: Sequence, params: SamplingParams) -> bool:
-        """Check stop strings on the decoded output; cut the text at the first one found."""
-        text = self.tokenizer.decode(seq.output_token_ids)
-        hits = [(text.find(s), s) for s in params.stop if s in text]
-        if not hits:
+    def _hit_stop_string(self, seq: Sequence, params: SamplingParams, token: int) -> bool:
+        """Check stop strings on the new tail of the output; cut the text at the first one found."""
+        matcher = self._stops.get(seq.request_id)
+        if matcher is None:
+            assert self.tokenizer is not None and params.stop
+            matcher = StopMatcher(self.tokenizer.decode, list(params.stop), params.include_stop_str_in_output)
+            for earlier in seq.output_token_ids[:-1]:  # normally none: the matcher starts with the first token
+                matcher.text.add([earlier])
+            self._stops[seq.request_id] = matcher
+        hit = matcher.add(token)
+        if hit is None:
             return False
-        pos, s = min(hits)
-        seq.output_text = text[: pos + len(s)] if params.include_stop_str_in_output else text[:pos]
-        seq.stop_reason = s
+        seq.output_text, seq.stop_reason = hit
         return True
 
     def _release(self, seq: Sequence) -> None:
@@ -331,6 +436,7 @@ class LLM:
         if not stopped_by_string and self.tokenizer is not None:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids)
         self._generators.pop(seq.request_id, None)
+        self._stops.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, appended: list[int]) -> RequestOutput:
         """The public view of `seq` after this step; finished requests leave the engine's maps."""
@@ -345,6 +451,7 @@ class LLM:
             finished=finished,
             finish_reason=seq.status.value if finished else None,
             text=seq.output_text if finished else "",
+            error=self._errors.pop(seq.request_id, None) if finished else None,
             logprobs=self._logprobs.pop(seq.request_id, [])
             if finished
             else list(self._logprobs.get(seq.request_id, [])),

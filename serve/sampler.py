@@ -9,14 +9,24 @@ draw its noise from its own generator, so a seed reproduces regardless of batch 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+MIN_TEMPERATURE = 1e-5  # below this, temperature is treated as 0 (greedy), as vLLM does: 1/T overflows
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
+MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; the engine also checks top_k against its own vocabulary
+
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. Invalid values raise ValueError naming the parameter."""
+    """How to sample one request. Invalid values raise ValueError naming the parameter.
+
+    Every float must be finite (NaN and infinities are refused, never propagated into logits);
+    a temperature in (0, MIN_TEMPERATURE) is treated as 0 (greedy), because dividing logits by
+    it overflows to inf/NaN; `seed` must fit torch's signed 64-bit generator seed.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -33,12 +43,25 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("top_k", "max_tokens"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive vocabulary rank, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -50,8 +73,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop and any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if self.stop and any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
 
     @property
     def greedy(self) -> bool:

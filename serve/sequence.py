@@ -23,11 +23,12 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the engine failed while running this request (and only this one)
 
     @property
     def is_finished(self) -> bool:
         """True for every terminal status."""
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Sequence:
     draft_num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)  # block group 0 (full attention when the model has it)
     group_tables: list[list[int]] = field(default_factory=list)  # tables of block groups 1.. (`serve.kv_layout`)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     spec_allowed: bool = True
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None

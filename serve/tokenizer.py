@@ -68,8 +68,11 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS when the model expects one."""
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+        """Token ids of `text`, with BOS when the model expects one.
+
+        `encode_batch` rather than `encode`: the tokenizers binding releases the GIL only in the
+        batch call, so a server tokenising a long prompt in a worker thread keeps answering."""
+        ids = self._tok.encode_batch([text], add_special_tokens=True)[0].ids
         if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids

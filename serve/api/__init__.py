@@ -5,6 +5,7 @@
 - ``cli``: flags, engine construction, ``main``; imports FastAPI only after parsing, so
   ``--help`` is instant;
 - ``app``: the routes; handlers validate, admit, then relay the engine's deltas;
+- ``guard``: API key, Content-Type and body-size checks in front of every route;
 - ``protocol``: the request schemas and their translation into ``SamplingParams``;
 - ``async_engine``: the engine's background thread and the per-request delta queues;
 - ``formatting``: completion and chat response bodies, streamed or whole;

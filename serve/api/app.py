@@ -6,6 +6,12 @@ Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 runs in one background thread (`serve.api.async_engine`); handlers validate, admit, then relay the
 engine's deltas. A client that goes away, streaming or not, aborts its request so its KV
 blocks return to the pool at once instead of after max_tokens more steps.
+
+Isolation: `RequestGuard` (auth, Content-Type, body size) answers before any handler runs; JSON
+parsing, validation, chat-template rendering and tokenisation run in a worker thread so the
+event loop (and /health) stays responsive under any body; every request has a deadline
+(`ServerOptions.request_timeout`, 504 when it passes) and is aborted in the engine however
+its handler ends, so no request is left running without a reader.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.api.async_engine import AsyncEngine, Delta, EngineError
 from serve.api.chat_template import ChatTemplate, ChatTemplateError
 from serve.api.formatting import Formatter
+from serve.api.guard import RequestGuard, ServerOptions
 from serve.api.metrics import render
 from serve.api.protocol import (
     ApiError,
@@ -69,12 +77,37 @@ async def _wait_disconnect(request: Request) -> None:
 class Server:
     """The request handlers around one `AsyncEngine`."""
 
-    def __init__(self, llm: LLM, model_name: str, model_dir: str | Path) -> None:
+    def __init__(self, llm: LLM, model_name: str, model_dir: str | Path, options: ServerOptions) -> None:
         self.llm = llm
+        self.options = options
         self.model_name = model_name
         self.engine = AsyncEngine(llm, model_name)
         self.chat_template = ChatTemplate(model_dir)
         self.created = int(time.time())
+        self.max_prompt_chars = self._prompt_char_bound()
+
+    def _prompt_char_bound(self) -> int | None:
+        """Characters beyond which a text prompt certainly exceeds the context (None: no tokenizer).
+
+        No token covers more characters than its longest piece, so a prompt longer than
+        max_model_len * longest piece cannot fit; the factor 4 leaves room for normalisers that
+        shrink text. Refusing such prompts before tokenising saves seconds of CPU per megabyte.
+        """
+        tok = self.llm.tokenizer
+        if tok is None:
+            return None
+        longest = max((len(tok.id_to_token(i) or "") for i in range(tok.vocab_size)), default=1)
+        return 4 * self.llm.max_model_len * max(longest, 1) + 1024
+
+    def _check_text_length(self, chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"the prompt has {chars} characters, more than this server's context of {self.llm.max_model_len} "
+                "tokens can hold; shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     # ----------------------------------------------------------------- validation
     def _check_model(self, model: str | None) -> None:
@@ -103,6 +136,7 @@ class Server:
                     "the model has no tokenizer.json, so text prompts cannot be encoded; send token ids",
                     param="prompt",
                 )
+            self._check_text_length(len(prompt), "prompt")
             ids = self.llm.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -121,7 +155,16 @@ class Server:
 
     # ----------------------------------------------------------------- endpoints
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+        ids, params, req = await run_in_threadpool(self._prepare_completion, await request.body())
+        return await self._generate(request, "cmpl", False, ids, params, req)
+
+    async def chat_completions(self, request: Request) -> Response:
+        ids, params, req = await run_in_threadpool(self._prepare_chat, await request.body())
+        return await self._generate(request, "chatcmpl", True, ids, params, req)
+
+    def _prepare_completion(self, raw: bytes) -> tuple[list[int], SamplingParams, CompletionRequest]:
+        """Parse, validate and tokenise a completion request (in a worker thread)."""
+        req: CompletionRequest = parse_body(raw, CompletionRequest)
         self._check_model(req.model)
         refuse_unsupported(
             req,
@@ -140,11 +183,11 @@ class Server:
             )
         ids = self._prompt_ids(req.prompt)
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), self.llm.max_model_len, "max_tokens")
-        params = sampling_params(req, max_tokens, req.logprobs)
-        return await self._generate(request, "cmpl", False, ids, params, req)
+        return ids, self._checked(sampling_params(req, max_tokens, req.logprobs)), req
 
-    async def chat_completions(self, request: Request) -> Response:
-        req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    def _prepare_chat(self, raw: bytes) -> tuple[list[int], SamplingParams, ChatCompletionRequest]:
+        """Parse, validate, render and tokenise a chat request (in a worker thread)."""
+        req: ChatCompletionRequest = parse_body(raw, ChatCompletionRequest)
         self._check_model(req.model)
         fmt = (req.response_format or {}).get("type", "text")
         refuse_unsupported(
@@ -162,8 +205,10 @@ class Server:
                 param="top_logprobs",
                 code="invalid_value",
             )
+        messages = chat_messages(req)
+        self._check_text_length(sum(len(str(m.get("content", ""))) for m in messages), "messages")
         try:
-            ids = self.chat_template.encode(chat_messages(req), req.add_generation_prompt)
+            ids = self.chat_template.encode(messages, req.add_generation_prompt)
         except ChatTemplateError as exc:
             raise ApiError(
                 400,
@@ -177,7 +222,19 @@ class Server:
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(requested, len(ids), self.llm.max_model_len, name)
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        return await self._generate(request, "chatcmpl", True, ids, params, req)
+        return ids, self._checked(params), req
+
+    def _checked(self, params: SamplingParams) -> SamplingParams:
+        """The checks that need the model: top_k within the vocabulary."""
+        vocab = self.llm.config.vocab_size
+        if params.top_k > vocab:
+            raise ApiError(
+                400,
+                f"top_k must be -1 (disabled) or in [1, {vocab}] (the vocabulary size), got {params.top_k}",
+                param="top_k",
+                code="invalid_value",
+            )
+        return params
 
     def models(self) -> dict[str, Any]:
         card = {
@@ -205,7 +262,14 @@ class Server:
                 raise ApiError(429, f"the server is busy: {exc}", code="queue_full") from exc
             raise ApiError(400, str(exc), param="max_tokens", code="request_too_large") from exc
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="prompt", code="invalid_value") from exc
+            first = str(exc).split(" ", 1)[0]
+            param = first if first in ("top_k", "seed", "temperature", "top_p", "stop") else "prompt"
+            raise ApiError(400, str(exc), param=param, code="invalid_value") from exc
+        except EngineError as exc:
+            raise ApiError(503, f"request {rid} was not admitted: {exc}", code="engine_down") from exc
+        except BaseException:  # cancelled while waiting for admission: never leave it running unread
+            self.engine.abort(rid)
+            raise
 
     async def _generate(
         self, request: Request, prefix: str, chat: bool, ids: list[int], params: SamplingParams, req: Any
@@ -214,21 +278,24 @@ class Server:
         top_n = params.logprobs
         decode = self.llm.tokenizer.decode if self.llm.tokenizer is not None else (lambda ids_: "")
         fmt = Formatter(chat, rid, self.model_name, int(time.time()), decode, top_n)
+        deadline = asyncio.get_running_loop().time() + self.options.request_timeout
         if req.stream:
             queue = await self._admit(rid, ids, params)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _ClosingStream(self._sse(queue, fmt, include_usage), lambda: self.engine.abort(rid))
-        return await self._unless_disconnected(request, self._collect(rid, ids, params, fmt))
+            return _ClosingStream(self._sse(rid, queue, fmt, include_usage, deadline), lambda: self.engine.abort(rid))
+        return await self._unless_disconnected(request, self._collect(rid, ids, params, fmt, deadline))
 
-    async def _collect(self, rid: str, ids: list[int], params: SamplingParams, fmt: Formatter) -> Response:
+    async def _collect(
+        self, rid: str, ids: list[int], params: SamplingParams, fmt: Formatter, deadline: float
+    ) -> Response:
         finished = False
         try:
             queue = await self._admit(rid, ids, params)
             deltas: list[Delta] = []
             while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise ApiError(500, f"generation failed: {item}", code="engine_error")
+                item = await self._next(rid, queue, deadline)
+                if isinstance(item, ApiError):
+                    raise item
                 deltas.append(item)
                 finished = item.finished
             return JSONResponse(fmt.response(deltas))
@@ -236,13 +303,32 @@ class Server:
             if not finished:
                 self.engine.abort(rid)
 
-    async def _sse(self, queue: asyncio.Queue, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+    async def _next(self, rid: str, queue: asyncio.Queue, deadline: float) -> Delta | ApiError:
+        """The request's next delta, or the error that ends it (engine failure, deadline)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                item = await queue.get()
+        except TimeoutError:
+            self.engine.abort(rid)
+            return ApiError(
+                504,
+                f"request {rid} did not finish within {self.options.request_timeout:g} s (--request-timeout); "
+                "it was aborted",
+                code="timeout",
+            )
+        if isinstance(item, Exception):
+            return ApiError(500, f"request {rid} failed: {item}", code="engine_error")
+        return item
+
+    async def _sse(
+        self, rid: str, queue: asyncio.Queue, fmt: Formatter, include_usage: bool, deadline: float
+    ) -> AsyncIterator[str]:
         for chunk in fmt.first_chunks(include_usage):
             yield _event(chunk)
         while True:
-            item = await queue.get()
-            if isinstance(item, EngineError):
-                yield _event(ApiError(500, f"generation failed: {item}", code="engine_error").body())
+            item = await self._next(rid, queue, deadline)
+            if isinstance(item, ApiError):
+                yield _event(item.body())
                 break
             for chunk in fmt.chunks(item, include_usage):
                 yield _event(chunk)
@@ -277,9 +363,10 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def build_app(llm: LLM, model_name: str, model_dir: str | Path) -> FastAPI:
-    """The FastAPI app; the engine thread starts and stops with the app's lifespan."""
-    server = Server(llm, model_name, model_dir)
+def build_app(llm: LLM, model_name: str, model_dir: str | Path, options: ServerOptions | None = None) -> FastAPI:
+    """The ASGI app (FastAPI behind `RequestGuard`); the engine thread starts and stops with its lifespan."""
+    options = options or ServerOptions()
+    server = Server(llm, model_name, model_dir, options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -317,4 +404,5 @@ def build_app(llm: LLM, model_name: str, model_dir: str | Path) -> FastAPI:
         ),
         methods=["GET"],
     )
+    app.add_middleware(RequestGuard, options=options)
     return app

@@ -6,6 +6,11 @@ needs no locks if a single thread owns it. HTTP handlers therefore never call th
 post commands (add, abort) to an inbox and the engine thread executes them between steps,
 answering through futures and per-request asyncio queues via `loop.call_soon_threadsafe`.
 Text is detokenised incrementally in this thread too, so handlers only format JSON.
+
+Failure containment: a request the engine fails on its own (`finish_reason` "error") gets an
+`EngineError` naming it while the others continue; if the engine thread itself dies, every
+waiting client gets an error at once, new requests are refused (`alive` is False, /health
+answers 503) and nothing is left queued without a reader.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve.api.metrics import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram, MetricsSnapshot
+from serve.detokenizer import IncrementalText
 from serve.engine import LLM, RequestOutput
 from serve.sampler import SamplingParams
 from serve.scheduler import AdmissionError
@@ -40,47 +46,6 @@ class Delta:
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (an engine bug, reported as HTTP 500)."""
-
-
-class IncrementalText:
-    """Detokenise a growing id list without re-decoding it all each step.
-
-    Decoding a window that starts a few tokens back keeps decoders that strip a leading space
-    (SentencePiece's Metaspace) or merge bytes (byte-level BPE) consistent with decoding the
-    whole; text ending in U+FFFD is an incomplete UTF-8 sequence and waits for more tokens.
-    Stop strings can span tokens, so the last `holdback` characters are kept back until the
-    request finishes: the engine cuts its final text at the stop string and nothing past the cut
-    may already have been sent.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], holdback: int) -> None:
-        self.decode = decode
-        self.holdback = holdback
-        self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
-        self.text = ""
-        self.sent = 0
-
-    def add(self, new_ids: list[int]) -> None:
-        """Extend the decoded text with `new_ids` where they form whole characters."""
-        self.ids.extend(new_ids)
-        before = self.decode(self.ids[self.prefix : self.read])
-        after = self.decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self.prefix, self.read = self.read, len(self.ids)
-
-    def next_delta(self, final_text: str | None) -> str:
-        """Text not sent yet; `final_text` (the engine's, cut at a stop string) ends the stream."""
-        if final_text is not None:
-            out, self.sent = final_text[self.sent :], max(self.sent, len(final_text))
-            return out
-        limit = len(self.text) - self.holdback
-        if limit <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent : limit], limit
-        return out
 
 
 @dataclass
@@ -117,6 +82,7 @@ class AsyncEngine:
         self._inbox: list[tuple[str, Any]] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        self._dead: str | None = None  # why the engine thread ended, once it has
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counters = _Counters()
@@ -141,8 +107,8 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        """True while the engine thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        """True while the engine thread runs and accepts work."""
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     # ----------------------------------------------------------------- asyncio side
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
@@ -160,11 +126,27 @@ class AsyncEngine:
 
     def _post(self, command: tuple[str, Any]) -> None:
         with self._cv:
+            if self._dead is not None:
+                if command[0] == "add":
+                    raise EngineError(f"the engine is not running ({self._dead})")
+                return  # an abort after death: the request was already failed
             self._inbox.append(command)
             self._cv.notify()
 
     # ----------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        """Run the loop; if it ever raises, fail every request and refuse new ones."""
+        reason = "the server is shutting down"
+        try:
+            self._loop_forever()
+        except BaseException as exc:  # the last line of defence: nobody may wait forever
+            log.exception("the engine thread died")
+            reason = f"the engine thread died: {exc!r}"
+        with self._cv:
+            self._dead = reason
+        self._fail_all(EngineError(reason))
+
+    def _loop_forever(self) -> None:
         """The loop: execute commands, step while work exists, sleep when idle."""
         while True:
             with self._cv:
@@ -178,7 +160,6 @@ class AsyncEngine:
             if self.llm.has_unfinished_requests():
                 self._step()
             self._publish()
-        self._fail_all(EngineError("the server is shutting down"))
 
     def _add(
         self,
@@ -196,6 +177,7 @@ class AsyncEngine:
             if not isinstance(exc, ValueError):
                 log.exception("add_request failed")
                 exc = EngineError(f"could not add the request: {exc!r}")
+            self.llm.abort(request_id)  # never keep a refused request (a no-op when it was not queued)
             self._deliver([(future.set_exception, exc)])
             return
         holdback = max((len(s) for s in params.stop or []), default=1) - 1
@@ -216,8 +198,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
-        except Exception as exc:  # an engine bug must not kill the server: fail the requests it touched
-            log.exception("engine step failed; aborting every running request")
+        except Exception as exc:  # the engine could not even isolate the failure: fail everything, keep serving
+            log.exception("engine step failed; aborting every request")
             self._fail_all(EngineError(f"engine step failed: {exc!r}"))
             return
         if not outputs and not self.llm.scheduler.running and self.llm.scheduler.waiting:
@@ -232,6 +214,11 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
+                continue
+            if out.finish_reason == "error":
+                self._streams.pop(out.request_id, None)
+                self._bump("error")
+                calls.append((stream.queue.put_nowait, EngineError(out.error or "the engine failed")))
                 continue
             calls.append((stream.queue.put_nowait, self._delta(stream, out)))
             if out.finished:
@@ -254,12 +241,14 @@ class AsyncEngine:
         )
 
     def _fail_all(self, exc: Exception) -> None:
-        calls = []
-        for rid, stream in list(self._streams.items()):
-            if self.llm.abort(rid):
-                self._bump("abort")
-            calls.append((stream.queue.put_nowait, exc))
+        """Answer every stream and pending admission with `exc` and empty the engine."""
+        calls: list[tuple[Callable[[Any], None], Any]] = [(s.queue.put_nowait, exc) for s in self._streams.values()]
         self._streams.clear()
+        try:
+            for _ in self.llm.abort_all():
+                self._bump("abort")
+        except Exception:  # the engine is already broken; the clients are answered regardless
+            log.exception("could not abort the engine's requests")
         with self._cv:
             for kind, arg in self._inbox:
                 if kind == "add":

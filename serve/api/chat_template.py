@@ -100,4 +100,5 @@ class ChatTemplate:
         """Token ids of the rendered prompt (no special tokens added on top of the template's)."""
         if self._tok is None:
             raise ChatTemplateError("the model directory has no tokenizer.json; chat needs a tokenizer")
-        return self._tok.encode(self.render(messages, add_generation_prompt), add_special_tokens=False).ids
+        text = self.render(messages, add_generation_prompt)
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids  # releases the GIL; `encode` does not

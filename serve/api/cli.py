@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+
+from serve.api.guard import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT  # stdlib only: --help stays fast
 
 EXAMPLES = """examples:
   python -m serve runs/arabic-tiny/gptq --draft runs/arabic-tiny/draft --port 8000
@@ -111,6 +114,34 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="torch CPU threads for the engine (default: torch's choice)"
     )
     p.add_argument(
+        "--api-key",
+        default=os.environ.get("WARSHA_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every path but --public-paths (default: $WARSHA_API_KEY, "
+        "else no key)",
+    )
+    p.add_argument(
+        "--public-paths",
+        default="/health",
+        help="comma-separated paths served without the API key, e.g. /health,/metrics (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted; larger ones get HTTP 413 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT,
+        help="seconds a request may run before it is aborted with HTTP 504 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="serve without checking the files against the directory's warsha.json manifest",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -126,9 +157,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
         if path is not None and not (path / "config.json").is_file():
             print(f"error: {flag} {path}: no config.json there; give an HF-format model directory", file=sys.stderr)
             return 2
+    from serve.manifest import ManifestError, verify_dir
+
+    if not args.no_verify:
+        try:
+            for path in (args.artifact_dir, args.draft):
+                if path is not None:
+                    n = verify_dir(path)
+                    print(f"{path}: {n} files match warsha.json" if n else f"{path}: no warsha.json; not verified")
+        except ManifestError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     import uvicorn
 
     from serve.api.app import build_app, log
+    from serve.api.guard import ServerOptions
     from serve.args import EngineArgs
     from serve.engine import LLM
 
@@ -140,6 +183,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
             import torch
 
             torch.set_num_threads(args.threads)
+        options = ServerOptions(
+            max_request_bytes=args.max_request_bytes,
+            request_timeout=args.request_timeout,
+            api_key=args.api_key,
+            public_paths=tuple(p.strip() for p in args.public_paths.split(",") if p.strip()),
+        )
         llm = LLM(args.artifact_dir, args.draft, EngineArgs.from_namespace(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -155,5 +204,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
         llm.block_manager.block_size,
         llm.max_model_len,
     )
-    uvicorn.run(build_app(llm, name, args.artifact_dir), host=args.host, port=args.port, log_level=args.log_level)
+    app = build_app(llm, name, args.artifact_dir, options)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -3,6 +3,12 @@
 Unknown fields are ignored (clients send fields like `user` or `metadata` freely), but fields
 we know and do not implement are refused when set to anything but their no-op value, so a
 client never silently gets different behaviour from what it asked for.
+
+Every field is checked for type, range and finiteness here, before anything reaches the engine
+(one malformed value in a batched step would otherwise fail every request in the batch): NaN
+and infinities are refused, `seed` must fit 0..2**63-1, stop lists are bounded, and strings must
+be valid Unicode (a lone surrogate such as "\\ud800" cannot be encoded to UTF-8). Each error
+names the offending field in `param`, as OpenAI's API does.
 """
 
 from __future__ import annotations
@@ -12,11 +18,16 @@ import logging
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from serve.sampler import SamplingParams
+from serve.sampler import MAX_SEED, SamplingParams
 
 log = logging.getLogger("serve.api")
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters; also bounds how much text the engine re-checks per token
+MAX_STOP_TOKEN_IDS = 256
+MAX_JSON_DEPTH = 32
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
 class ApiError(Exception):
@@ -42,14 +53,14 @@ class ApiError(Exception):
 class StreamOptions(BaseModel):
     """`stream_options`: only include_usage is meaningful here."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -58,13 +69,24 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension: benchmarks need fixed-length outputs
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        items = [stop] if isinstance(stop, str) else stop or []
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(items)}")
+        longest = max((len(s) for s in items), default=0)
+        if longest > MAX_STOP_LENGTH:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters, got {longest}")
+        return stop
 
 
 class CompletionRequest(_Common):
@@ -81,7 +103,7 @@ class CompletionRequest(_Common):
 class ChatMessage(BaseModel):
     """One message; content may be a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -101,25 +123,80 @@ class ChatCompletionRequest(_Common):
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Parse and validate a JSON body; ApiError (400) naming the field on any problem."""
+    """Parse and validate a JSON body; ApiError (400) naming the field on any problem.
+
+    Runs in a worker thread (it is CPU work proportional to the body), never on the event loop.
+    """
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    check_strings(data)
     known = set(model.model_fields)
     ignored = sorted(k for k in data if k not in known)
     if ignored:
-        log.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+        log.warning("ignoring unknown request fields: %s", ", ".join(ignored[:20]))
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(
-            400, f"{param}: {first['msg']} (got {first.get('input')!r})", param=param, code="invalid_value"
-        ) from exc
+        param = field_path(first["loc"])
+        shown = repr(first.get("input"))
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        raise ApiError(400, f"{param}: {first['msg']} (got {shown})", param=param, code="invalid_value") from exc
+
+
+def field_path(loc: tuple[Any, ...]) -> str | None:
+    """`messages.0.role` from a pydantic error location, without its union-member tags (`str`, `list[int]`)."""
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (isinstance(p, str) and p.isidentifier() and p.lower() not in _TYPE_TAGS)
+    ]
+    return ".".join(parts) or None
+
+
+def check_strings(data: Any) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH and for strings that are not valid Unicode.
+
+    JSON's `\\ud800` escapes decode to lone surrogates, which Python keeps but no tokenizer or
+    UTF-8 encoder accepts; the error names the field holding one.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise ApiError(
+                400,
+                f"the request nests deeper than {MAX_JSON_DEPTH} levels",
+                param=field_path(path[:2]),
+                code="invalid_value",
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path)
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+        else:
+            _check_text(value, path)
+
+
+def _check_text(value: Any, path: tuple[Any, ...]) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            param = ".".join(str(p) for p in path) or None
+            raise ApiError(
+                400,
+                f"{param}: the text holds a lone surrogate ({value[exc.start]!r} at character {exc.start}), which "
+                "is not valid Unicode; send UTF-8 text",
+                param=param,
+                code="invalid_value",
+            ) from exc
 
 
 def refuse_unsupported(req: _Common, extra: dict[str, Any]) -> None:

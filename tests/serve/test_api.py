@@ -70,7 +70,9 @@ def add_chat_template(model_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, name: str = "tiny", **llm_kwargs: object) -> Iterator[RunningServer]:
+def running_server(
+    model_dir: Path, name: str = "tiny", options: object = None, **llm_kwargs: object
+) -> Iterator[RunningServer]:
     """Start build_app + uvicorn in a thread on a free port; stop it on exit."""
     import uvicorn
 
@@ -80,7 +82,7 @@ def running_server(model_dir: Path, name: str = "tiny", **llm_kwargs: object) ->
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, name, model_dir), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, name, model_dir, options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

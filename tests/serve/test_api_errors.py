@@ -31,7 +31,8 @@ def plain_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServe
 
 
 def post(srv: RunningServer, path: str, body: object = None, content: bytes | None = None) -> tuple[int, dict]:
-    r = httpx.post(f"{srv.url}{path}", json=body, content=content, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    r = httpx.post(f"{srv.url}{path}", json=body, content=content, headers=headers, timeout=60)
     return r.status_code, r.json()
 
 
@@ -63,6 +64,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
         ({"max_tokens": 0}, "max_tokens", "invalid_value", ">= 1"),
         ({"max_tokens": MAX_LEN}, "max_tokens", "context_length_exceeded", "at most"),
         ({"prompt": "hello " * 80}, "prompt", "context_length_exceeded", "shorten the prompt"),
+        ({"prompt": "x" * 100_000}, "prompt", "context_length_exceeded", "100000 characters"),
         ({"max_tokens": 50}, "max_tokens", "request_too_large", "KV blocks"),
         ({"n": 2}, "n", "unsupported_parameter", "n=1"),
         ({"echo": True}, "echo", "unsupported_parameter", "echo"),

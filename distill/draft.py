@@ -1,4 +1,4 @@
-"""Draft construction: a smaller Llama that shares the target's exact vocabulary.
+"""Draft construction: a smaller model of the target's family sharing its exact vocabulary.
 
 A draft is only useful if token id ``i`` means the same piece in both models: a mismatch does
 not fail loudly, it garbles output or silently drops acceptance to nothing (vllm#7252,
@@ -10,13 +10,16 @@ Two constructions:
 - ``layers``: keep a subset of the target's decoder layers, initialised from them, with the
   embeddings, final norm and LM head copied. The draft starts close to the target (its first
   layers and its head are the target's), which is the cheapest good start.
-- ``config``: a smaller Llama from a config (hidden size, layers, heads). Weights are random, or
+- ``config``: a smaller model of the target's own class (Llama, Qwen, Gemma 3, ...) from a config
+  (hidden size, layers, heads). Weights are random, or
   ``embedding``-copied: copied as they are when the hidden size matches, else projected onto
   the top principal directions of the target's embedding and head matrices (the best rank-``d``
   linear approximation, so most of what the target's vocabulary geometry holds is kept).
 
-Both copy the target's rope configuration (e.g. YaRN ``rope_parameters``) and context length,
-so the draft sees positions the way the target does.
+Both copy the target's rope configuration (e.g. YaRN ``rope_parameters``, per layer type for
+Gemma 3) and context length, so the draft sees positions the way the target does; a narrow draft
+of a model with sliding and full layers ends in a full-attention layer, so it sees the whole
+context as the target's global layers do.
 """
 
 from __future__ import annotations
@@ -102,14 +105,12 @@ def warn_if_larger(draft: Any, target: Any) -> bool:
 
 def layer_subset(target: Any, layers: Sequence[int]) -> Any:
     """A draft made of the chosen target layers, with embeddings, norm and head copied."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     keep = check_layers(layers, target.config.num_hidden_layers)
     cfg = target.config.to_dict()
     cfg["num_hidden_layers"] = len(keep)
     if cfg.get("layer_types"):
         cfg["layer_types"] = [cfg["layer_types"][i] for i in keep]
-    draft = LlamaForCausalLM(LlamaConfig(**_clean(cfg)))
+    draft = same_family(target, _clean(cfg))
     state = target.state_dict()
     new_state = {}
     for name in draft.state_dict():
@@ -132,10 +133,9 @@ def from_config(
     init: str,
     seed: int = 0,
 ) -> Any:
-    """A smaller Llama sharing the target's vocabulary, rope and context; ``init`` is
-    ``random`` or ``embedding`` (copy or project the target's embedding, head and norm)."""
+    """A smaller model of the target's class sharing its vocabulary, rope and context; ``init``
+    is ``random`` or ``embedding`` (copy or project the target's embedding, head and norm)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(
@@ -151,14 +151,33 @@ def from_config(
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
     )
-    cfg.pop("layer_types", None)
+    if "query_pre_attn_scalar" in cfg:  # Gemma scales queries by the head size
+        cfg["query_pre_attn_scalar"] = hidden_size // num_heads
+    types = cfg.pop("layer_types", None)
+    if types:
+        cfg["layer_types"] = narrow_layer_types(types, num_layers)
     torch.manual_seed(seed)
-    draft = LlamaForCausalLM(LlamaConfig(**cfg))
+    draft = same_family(target, cfg)
     if init == "embedding":
         _copy_embeddings(target, draft)
     elif init != "random":
         raise ValueError(f"init: must be 'random' or 'embedding', got {init!r}")
     return draft.to(next(target.parameters()).dtype)
+
+
+def same_family(target: Any, cfg: dict[str, Any]) -> Any:
+    """A randomly initialised model of ``target``'s own class under config dict ``cfg``."""
+    config = type(target.config)(**cfg)
+    return type(target)(config)
+
+
+def narrow_layer_types(types: Sequence[str], num_layers: int) -> list[str]:
+    """The target's layer-type pattern cut to ``num_layers``, ending in a full-attention layer
+    (when the target has one) so the draft keeps a layer that sees the whole context."""
+    out = list(types[:num_layers]) + [types[-1]] * max(0, num_layers - len(types))
+    if "full_attention" in types:
+        out[-1] = "full_attention"
+    return out
 
 
 def _copy_embeddings(target: Any, draft: Any) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 
 SUPPORTED = (
     "SentencePiece BPE (tokenizer.model), byte-level BPE (tokenizer.json with a ByteLevel"
-    " pre-tokenizer) or a tiktoken/tekken json"
+    " pre-tokenizer), byte-fallback BPE (tokenizer.json with byte_fallback, e.g. Gemma)"
+    " or a tiktoken/tekken json"
 )
 
 

@@ -39,6 +39,8 @@ def run(ctx: "StageContext", p: "ExtendParams") -> dict[str, Any]:
     t0 = time.perf_counter()
     if base.family == "sentencepiece":
         info = _extend_sp(ctx, p, base, sample, n_added, script)
+    elif base.family == "byte_fallback":
+        info = _extend_fallback(ctx, p, base, sample, n_added, script)
     else:
         info = _extend_byte(ctx, p, base, sample, n_added, script)
     info["train_seconds"] = time.perf_counter() - t0
@@ -119,15 +121,7 @@ def _extend_byte(
     merges = byte_bpe.train_merges(base.spec, sample, p.train_vocab_size or n_added)
     result = byte_bpe.extend(base.spec, merges, n_added, script)
     if ctx.is_main:
-        ctx.out_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.out_dir / "tokenizer.json").write_text(json.dumps(result.spec, ensure_ascii=False))
-        src = base.source.parent
-        side = [n for n in ("tokenizer_config.json", "special_tokens_map.json") if (src / n).is_file()]
-        if base.source.name == "tokenizer.json" and side:
-            for name in side:
-                shutil.copy2(src / name, ctx.out_dir / name)
-        else:
-            byte_bpe.write_tekken_side_files(ctx.out_dir)
+        _write_json_tokenizer(ctx, base, result.spec)
     return {
         "added_pieces": len(result.added),
         "vocab_size": base.size + len(result.added),
@@ -138,6 +132,39 @@ def _extend_byte(
         },
         "pruned_unreachable": 0,
     }
+
+
+def _extend_fallback(
+    ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str], n_added: int, script: Any
+) -> dict[str, Any]:
+    """Continued BPE on the base's own segmentation: every added token is reachable by
+    construction, so there is nothing to prune (the held-out check still counts)."""
+    from tokenizer_ext import fallback_bpe
+
+    assert base.spec is not None
+    result = fallback_bpe.extend(base.spec, sample, n_added, script)
+    if ctx.is_main:
+        _write_json_tokenizer(ctx, base, result.spec)
+    return {
+        "added_pieces": len(result.added),
+        "vocab_size": base.size + len(result.added),
+        "method": "continued_bpe",
+        "last_merge_pair_count": result.last_pair_count,
+        "pruned_unreachable": 0,
+    }
+
+
+def _write_json_tokenizer(ctx: "StageContext", base: family.BaseTokenizer, spec: dict[str, Any]) -> None:
+    """tokenizer.json plus the base's side files (or tekken's, for a converted tekken file)."""
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    (ctx.out_dir / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    src = base.source.parent
+    side = [n for n in ("tokenizer_config.json", "special_tokens_map.json") if (src / n).is_file()]
+    if base.source.name == "tokenizer.json" and side:
+        for name in side:
+            shutil.copy2(src / name, ctx.out_dir / name)
+    else:
+        byte_bpe.write_tekken_side_files(ctx.out_dir)
 
 
 def measure(ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, out_dir: Path | None) -> dict[str, Any]:

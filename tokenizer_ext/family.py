@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizer_ext import byte_bpe, sp_bpe
+from tokenizer_ext import byte_bpe, fallback_bpe, sp_bpe
 
 TOKENIZER_FILES = (
     "tokenizer.model",
@@ -32,7 +32,7 @@ SCRIPTS = {"ar": "[\u0600-\u06ff\u0750-\u077f\u08a0-\u08ff\ufb50-\ufdff\ufe70-\u
 class BaseTokenizer:
     """A base tokenizer in the form its family edits: a ModelProto or a tokenizer.json dict."""
 
-    family: str  # "sentencepiece" | "byte_level"
+    family: str  # "sentencepiece" | "byte_level" | "byte_fallback"
     source: Path
     proto: Any = None
     spec: dict[str, Any] | None = None
@@ -78,6 +78,8 @@ def _hf_json(path: Path) -> BaseTokenizer:
     spec = json.loads(path.read_text())
     if "vocab" in spec and "config" in spec:
         return BaseTokenizer("byte_level", path, spec=byte_bpe.tiktoken_to_hf(path))
+    if fallback_bpe.is_fallback_bpe(spec):
+        return BaseTokenizer("byte_fallback", path, spec=spec)
     byte_bpe.check_byte_level(spec, str(path))
     return BaseTokenizer("byte_level", path, spec=spec)
 

@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stages", help="list registered stages and their parameters")
     rep = sub.add_parser("report", help="write report.md with plots from a run directory's manifests")
     rep.add_argument("run_dir", type=Path)
+    imp = sub.add_parser("import", help="import a GGUF file or package, or an HF directory, as an HF model directory")
+    imp.add_argument("source", help="a .gguf file, an HF model directory, or an installed package name")
+    imp.add_argument("out", type=Path, help="output model directory")
+    imp.add_argument("--sha256", default=None, help="expected sha256 of the GGUF")
+    imp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     sub.add_parser(
         "serve",
         add_help=False,
@@ -218,4 +223,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "inspect": cmd_inspect, "stages": cmd_stages, "report": cmd_report}
+def cmd_import(args: argparse.Namespace) -> int:
+    """The ``import`` stage outside a recipe: same checks, same files, same manifest."""
+    from warsha.model_import.stage import import_cli
+
+    import_cli(args.source, args.out, args.sha256, args.dtype)
+    print(f"imported: {args.out}")
+    return 0
+
+
+COMMANDS = {"import": cmd_import, "run": cmd_run, "inspect": cmd_inspect, "stages": cmd_stages, "report": cmd_report}

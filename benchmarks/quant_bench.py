@@ -250,6 +250,9 @@ def table(results: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    from warsha import runtime
+
+    runtime.apply()  # allocator and threads before the first tensor
     args = parse_args()
     import torch
 

@@ -27,6 +27,12 @@ for _key, _value in (
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The allocator and thread policy of every training process (warsha.runtime), before the first
+# tensor; its MALLOC_*_ variables reach the torchrun and deepspeed workers the tests launch.
+from warsha import runtime  # noqa: E402
+
+runtime.apply()
+
 REPO = Path(__file__).resolve().parents[1]
 
 

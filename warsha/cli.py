@@ -132,10 +132,12 @@ def _quiet_environment() -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Validate, plan, then run (or print the plan)."""
-    from warsha import distributed, pipeline
+    from warsha import distributed, pipeline, runtime
     from warsha.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if not args.dry_run:  # allocator and threads before the first tensor (warsha.runtime)
+        runtime.apply(recipe.allocator, recipe.threads)
     root = pipeline.out_root(recipe, args.out)
     steps = pipeline.plan(recipe, root)
     select = pipeline.select_stages(steps, args.from_stage, args.only)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from warsha.data import DataConfig
-from warsha.schema import check, from_dict, to_dict
+from warsha.schema import check, from_dict, ge, to_dict
 from warsha.tracking import TrackingConfig
 
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -71,6 +71,12 @@ class Recipe:
     base: str = field(default="bootstrap", metadata=check(help="local HF model dir, or 'bootstrap'"))
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = field(
+        default=None, metadata=check(ge(1), help="CPU threads; OMP_NUM_THREADS wins, default: physical cores")
+    )
+    allocator: Literal["glibc-tuned", "system"] | None = field(
+        default=None, metadata=check(help="C allocator policy; WARSHA_ALLOCATOR wins, default: glibc-tuned")
+    )
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     stages: list[StageEntry] = field(default_factory=list)

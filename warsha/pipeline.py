@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from warsha import artifacts, distributed
+from warsha import artifacts, distributed, runtime
 from warsha.config import Recipe, recipe_dict, stage_config
 from warsha.registry import get_stage
 from warsha.stage import StageContext, StageDef
@@ -142,6 +142,7 @@ class Runner:
 
     def run(self, steps: list[Planned], select: set[int]) -> list[Planned]:
         """Run the selected stages in order, skipping those already up to date."""
+        runtime.apply(self.recipe.allocator, self.recipe.threads)  # before the first tensor
         distributed.init(self.recipe.device)
         for step in steps:
             if step.index not in select:
@@ -245,6 +246,7 @@ class Runner:
             "tracking": {"backend": self.recipe.tracking.backend, "run_id": run_id},
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "world_size": distributed.world_size(),
+            "runtime": runtime.describe(),
         }
 
 

@@ -111,7 +111,10 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
         " or keep them float32 (default: %(default)s)",
     )
     p.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads for the engine (default: torch's choice)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for the engine (default: OMP_NUM_THREADS, else the physical cores)",
     )
     p.add_argument(
         "--api-key",
@@ -174,15 +177,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
     from serve.api.guard import ServerOptions
     from serve.args import EngineArgs
     from serve.engine import LLM
+    from serve.runtime import apply as apply_runtime
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     try:
-        if args.threads is not None:
-            import torch
-
-            torch.set_num_threads(args.threads)
+        log.info("runtime: %s", apply_runtime(args.threads))  # allocator and threads before the weights
         options = ServerOptions(
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,

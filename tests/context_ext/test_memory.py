@@ -16,6 +16,9 @@ def test_reset_lowers_the_peak_to_what_is_resident() -> None:
     big.add_(1)
     before = suite.peak_rss_gb()
     del big
+    # as the evaluation does: a tuned allocator (warsha.runtime) keeps a freed 200 MB block mapped
+    # until it is handed back, and the peak can only drop to what is still resident
+    suite.release_freed_memory()
     if not suite.reset_peak_rss():  # a kernel that refuses clear_refs: the peak stays the process's
         assert suite.peak_rss_gb() >= before
         return

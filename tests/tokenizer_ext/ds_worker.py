@@ -26,6 +26,9 @@ class _Tracker:
 
 
 def main() -> None:
+    from warsha import runtime
+
+    runtime.apply()  # allocator and threads before the first tensor
     model_dir, work, config = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     rank = int(os.environ.get("RANK", "0"))
     corpus = load_corpus(DataConfig(max_documents=400))

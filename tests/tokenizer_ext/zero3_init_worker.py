@@ -15,6 +15,9 @@ import torch
 
 
 def main() -> None:
+    from warsha import runtime
+
+    runtime.apply()  # allocator and threads before the first tensor
     import deepspeed
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM

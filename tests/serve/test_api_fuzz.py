@@ -132,7 +132,7 @@ def check_answer(srv: RunningServer, path: str, body: dict[str, Any]) -> None:
 
 
 FUZZ = settings(
-    max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 FUZZ_LONG = settings(FUZZ, max_examples=1500)
 

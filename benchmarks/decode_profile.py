@@ -105,6 +105,7 @@ def profile(model_dir: Path, args: argparse.Namespace, bw: float, **engine: Any)
     """Decode `--new-tokens` at batch 1 after a `--prompt-len` prompt; the per-part seconds per step."""
     llm = LLM(model_dir, **engine)
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    lb = linear_bytes(llm)  # before the wrappers replace the linears
     t = Timers()
     instrument(llm, t)
     prompt = sb.workload(1, (args.prompt_len, args.prompt_len), (1, 1), llm.config.vocab_size, seed=2)[0][0]
@@ -126,7 +127,6 @@ def profile(model_dir: Path, args: argparse.Namespace, bw: float, **engine: Any)
     per["step: engine python"] = per["step"] - sum(
         per.get(k, 0.0) for k in ("forward", "schedule", "sampler", "commit")
     )
-    lb = linear_bytes(llm)
     bound = {k: b / bw for k, b in lb.items()}
     return {"steps": steps, "tok_per_s": steps / wall, "per_step_s": per, "bytes": lb, "bound_s": bound}
 

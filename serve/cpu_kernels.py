@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +32,7 @@ ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
 # silently run on one thread. The runtime loaded is torch's own libgomp (same soname).
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+STALE_LOCK_SECONDS = 600.0
 
 
 def _cpu_has_avx2() -> bool:
@@ -56,8 +58,10 @@ def load() -> ModuleType | None:
         # named by the hash of source and flags: checkouts of different versions never rebuild
         # each other's library (nor replace it under a running process); the same source builds once
         digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+        name = f"warsha_serve_gemv_avx2_{digest}"
+        clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         return cpp_extension.load(
-            name=f"warsha_serve_gemv_avx2_{digest}",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
             extra_ldflags=LDFLAGS,
@@ -70,6 +74,26 @@ def load() -> ModuleType | None:
             str(err).splitlines()[0] if str(err) else "",
         )
         return None
+
+
+def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove a build lock older than `max_age` seconds; True if one was removed.
+
+    Why: torch's extension loader takes a lock file for the build and waits for it forever; a
+    build killed midway (Ctrl-C, a CI timeout, the OOM killer) leaves the lock behind, and every
+    later process would hang at its first decode step. A real build of this one file takes far
+    less than `max_age`, even on a loaded machine.
+    """
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age:
+        return False
+    log.warning("removing a stale build lock %s (%.0f s old: a build that was killed)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def available() -> bool:

@@ -10,6 +10,8 @@ blocks, and results must not depend on the thread count.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -175,3 +177,18 @@ def test_bad_shapes_are_named_errors() -> None:
         cpu_kernels.gemv_int4(torch.randn(2, 64), packed)
     with pytest.raises(RuntimeError, match="bf16"):
         cpu_kernels.gemv_bf16(torch.randn(2, 8), torch.randn(4, 8))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from serve.cpu_kernels import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path, max_age=600) and lock.exists()  # a build may hold it
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path, max_age=600) and not lock.exists()
+    assert not clear_stale_lock(tmp_path, max_age=600)  # nothing to remove

@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if not args.verbose:  # accelerate logs four INFO lines per checkpoint; warsha.training logs one
+        logging.getLogger("accelerate").setLevel(logging.WARNING)
     _quiet_environment()
     from warsha.artifacts import ArtifactError
     from warsha.config import RecipeError

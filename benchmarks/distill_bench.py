@@ -197,7 +197,7 @@ def main() -> None:
     """Parse the command line."""
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     import torch
 
     torch.set_num_threads(1)

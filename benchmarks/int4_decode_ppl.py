@@ -53,7 +53,7 @@ def decode_nll(model: LlamaModel, ids: list[int], block_size: int = 16) -> float
 def main(argv: list[str] | None = None) -> int:
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--int4", type=Path, required=True, help="GPTQ-format checkpoint (a quantize stage's output)")
     p.add_argument("--reference", type=Path, required=True, help="the unquantized model it was made from")

@@ -88,7 +88,7 @@ def main() -> None:
     """Load, inject, save (model, tokenizer files and a record of what was done)."""
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="HF model directory (Llama family)")
     p.add_argument("--out", type=Path, required=True, help="where to write the stand-in (must not exist)")

@@ -252,7 +252,7 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     args = parse_args()
     import torch
 

@@ -226,7 +226,7 @@ def save(model: Any, tokenizer: Any, out: Path, report: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     args = parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -615,7 +615,7 @@ def print_report(results: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", type=Path, help="HF model dir (default: random 'small' preset)")
     p.add_argument("--draft-dir", type=Path, help="draft for scenario c (needs --model-dir)")

@@ -266,7 +266,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     from warsha import runtime
 
-    runtime.apply()  # allocator and threads before the first tensor
+    runtime.apply(reexec=True)  # allocator and threads before the first tensor
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--added", type=int, default=16000, help="pieces to add")
     ap.add_argument("--adapt-model", type=Path, default=None, help="base model dir for the adaptation comparison")

@@ -11,9 +11,9 @@ machine), the sys share of CPU time, and the trainer's overhead in percent of th
 CPU time per step.
 
 ``--compare-allocators`` runs the same cases in child processes under each allocator policy of
-``warsha.runtime`` (``WARSHA_ALLOCATOR=system``, the C library's defaults as every run had before
-the policy existed, against ``glibc-tuned``), alternating which goes first round by round, and
-reports the tuned policy's speed-up per stage. Results go to
+``warsha.runtime``: ``WARSHA_ALLOCATOR=system`` (the C library's defaults, as every run had before
+the policy existed), ``glibc-tuned`` and, where it is installed, ``tcmalloc``; the order rotates
+round by round, and each policy's speed-up over ``system`` is reported per stage. Results go to
 ``benchmarks/results/train_bench-<tag>.json``.
 
     python benchmarks/train_bench.py --steps 6
@@ -39,7 +39,7 @@ import train_cases  # noqa: E402
 from train_cases import Case  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ALLOCATORS = ("system", "glibc-tuned")
+BASELINE = "system"
 
 
 class _Clock:
@@ -138,7 +138,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every requested case in this process, under this process's allocator policy."""
     from warsha import runtime
 
-    info = runtime.apply()  # allocator and threads before the first tensor
+    info = runtime.apply(reexec=True)  # allocator and threads before the first tensor
     preload = os.environ.get("LD_PRELOAD", "")
     out: dict[str, Any] = {"runtime": info, "ld_preload": preload, "load_avg_start": os.getloadavg()}
     out["args"] = vars(args)
@@ -151,11 +151,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare_allocators(args: argparse.Namespace) -> dict[str, Any]:
-    """Children under each policy, alternating order per round; the tuned/system ratios."""
-    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in ALLOCATORS}
+    """Children under each policy, the order rotated per round; each policy's ratio to ``system``."""
+    from serve.runtime import find_tcmalloc
+
+    policies = [BASELINE, "glibc-tuned"] + (["tcmalloc"] if find_tcmalloc() else [])
+    runs: dict[str, list[dict[str, Any]]] = {a: [] for a in policies}
     load_start = os.getloadavg()
     for rnd in range(args.rounds):
-        for alloc in ALLOCATORS if rnd % 2 == 0 else ALLOCATORS[::-1]:
+        for alloc in policies[rnd % len(policies) :] + policies[: rnd % len(policies)]:
             _log(f"round {rnd + 1}/{args.rounds}: WARSHA_ALLOCATOR={alloc}")
             runs[alloc].append(_child(args, alloc))
     out: dict[str, Any] = {"args": vars(args), "load_avg_start": load_start, "load_avg_end": os.getloadavg()}
@@ -168,15 +171,30 @@ def _child(args: argparse.Namespace, allocator: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "out.json"
         cmd = [sys.executable, __file__, "--steps", str(args.steps), "--cases", *args.cases, "--child-out", str(path)]
-        env = {**os.environ, "WARSHA_ALLOCATOR": allocator}
-        for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
-            env.pop(key, None)  # this process exported its own policy: the child must start clean
+        env = _clean_env(allocator)
         subprocess.run(cmd, env=env, check=True)
         return json.loads(path.read_text())
 
 
+def _clean_env(allocator: str) -> dict[str, str]:
+    """This environment minus any allocator policy it carries, asking the child for ``allocator``.
+
+    A parent started under tcmalloc or glibc-tuned exports its policy (``LD_PRELOAD``,
+    ``MALLOC_*_``); a child that inherited it would measure the parent's policy, not its own.
+    """
+    from serve.runtime import REEXEC_MARK
+
+    env = {**os.environ, "WARSHA_ALLOCATOR": allocator}
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", REEXEC_MARK):
+        env.pop(key, None)
+    kept = [lib for lib in env.pop("LD_PRELOAD", "").split() if "tcmalloc" not in lib]
+    if kept:
+        env["LD_PRELOAD"] = " ".join(kept)
+    return env
+
+
 def _allocator_row(runs: dict[str, list[dict[str, Any]]], name: str) -> dict[str, Any]:
-    """Per policy: the trainer loop's tokens/s and sys share over all rounds; the speed-up."""
+    """Per policy: the trainer loop's tokens/s and sys share over all rounds; speed-ups over system."""
     row: dict[str, Any] = {}
     for alloc, results in runs.items():
         wall = sum(r[name]["trainer"]["wall_s"] for r in results)
@@ -184,7 +202,8 @@ def _allocator_row(runs: dict[str, list[dict[str, Any]]], name: str) -> dict[str
         sys_s = sum(r[name]["trainer"]["sys_s"] for r in results)
         tokens = sum(r[name]["trainer"]["tokens_per_s"] * r[name]["trainer"]["wall_s"] for r in results)
         row[alloc] = {"tokens_per_s": tokens / wall, "sys_share": sys_s / (user + sys_s), "sys_per_user": sys_s / user}
-    row["speedup"] = row["glibc-tuned"]["tokens_per_s"] / row["system"]["tokens_per_s"]
+    for alloc in runs:
+        row[alloc]["speedup"] = row[alloc]["tokens_per_s"] / row[BASELINE]["tokens_per_s"]
     return row
 
 
@@ -206,18 +225,18 @@ def _print_measure(out: dict[str, Any]) -> None:
 
 def _print_allocators(out: dict[str, Any]) -> None:
     print(f"load {out['load_avg_start']} -> {out['load_avg_end']}; {out['args']['rounds']} rounds per policy")
-    print(f"{'stage':<10} {'system tok/s':>12} {'sys %':>6} {'tuned tok/s':>12} {'sys %':>6} {'speed-up':>8}")
-    for name, r in out["stages"].items():
-        a, b = r["system"], r["glibc-tuned"]
-        print(f"{name:<10} {a['tokens_per_s']:>12.0f} {100 * a['sys_share']:>6.1f} {b['tokens_per_s']:>12.0f} "
-              f"{100 * b['sys_share']:>6.1f} {r['speedup']:>7.2f}x")  # fmt: skip
+    print(f"{'stage':<10} {'allocator':<12} {'tok/s':>8} {'sys %':>6} {'vs system':>9}")
+    for name, row in out["stages"].items():
+        for alloc, r in row.items():
+            print(f"{name:<10} {alloc:<12} {r['tokens_per_s']:>8.0f} {100 * r['sys_share']:>6.1f} "
+                  f"{r['speedup']:>8.2f}x")  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="measured steps per loop (after one warm-up step)")
     ap.add_argument("--cases", nargs="*", default=list(train_cases.CASES), choices=list(train_cases.CASES))
-    ap.add_argument("--compare-allocators", action="store_true", help="each stage under system vs glibc-tuned")
+    ap.add_argument("--compare-allocators", action="store_true", help="each stage per allocator policy")
     ap.add_argument("--rounds", type=int, default=2, help="with --compare-allocators: runs per policy")
     ap.add_argument("--tag", default=None, help="results file suffix (default: the allocator in effect)")
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -232,8 +251,7 @@ def main() -> None:
     else:
         out = measure(args)
         _print_measure(out)
-        preload = out["ld_preload"]
-        tag = args.tag or (Path(preload).name.split(".")[0] if preload else out["runtime"]["allocator"])
+        tag = args.tag or out["runtime"]["allocator"]
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"train_bench-{tag}.json"
     path.write_text(json.dumps(out, indent=2))

@@ -27,11 +27,23 @@ for _key, _value in (
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The allocator and thread policy of every training process (warsha.runtime), before the first
-# tensor; its MALLOC_*_ variables reach the torchrun and deepspeed workers the tests launch.
 from warsha import runtime  # noqa: E402
 
-runtime.apply()
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The allocator and thread policy of every training process (warsha.runtime), before the first tensor.
+
+    Where tcmalloc is installed the session restarts once with it preloaded; pytest's output
+    capture is suspended first, or the restarted session would write into the capture's files.
+    Its ``LD_PRELOAD`` (or glibc-tuned's ``MALLOC_*_``) reaches the workers the tests launch.
+    """
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    runtime.apply(reexec=True)
+    if capture is not None:
+        capture.resume_global_capture()
+
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -139,7 +139,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     if not args.dry_run:  # allocator and threads before the first tensor (warsha.runtime)
-        runtime.apply(recipe.allocator, recipe.threads)
+        runtime.apply(recipe.allocator, recipe.threads, reexec=True)
     root = pipeline.out_root(recipe, args.out)
     steps = pipeline.plan(recipe, root)
     select = pipeline.select_stages(steps, args.from_stage, args.only)

@@ -74,8 +74,9 @@ class Recipe:
     threads: int | None = field(
         default=None, metadata=check(ge(1), help="CPU threads; OMP_NUM_THREADS wins, default: physical cores")
     )
-    allocator: Literal["glibc-tuned", "system"] | None = field(
-        default=None, metadata=check(help="C allocator policy; WARSHA_ALLOCATOR wins, default: glibc-tuned")
+    allocator: Literal["tcmalloc", "glibc-tuned", "system"] | None = field(
+        default=None,
+        metadata=check(help="C allocator; WARSHA_ALLOCATOR wins, default: tcmalloc if installed, else glibc-tuned"),
     )
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

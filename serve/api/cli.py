@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     try:
-        log.info("runtime: %s", apply_runtime(args.threads))  # allocator and threads before the weights
+        log.info("runtime: %s", apply_runtime(args.threads, reexec=True))  # allocator and threads before the weights
         options = ServerOptions(
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,

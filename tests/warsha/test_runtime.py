@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
 import platform
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from warsha.artifacts import read_manifest
 from warsha.config import RecipeError, parse_recipe
 
 GLIBC = platform.libc_ver()[0] == "glibc"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -31,67 +34,96 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _mmapped_bytes() -> int:
-    """glibc's own count of bytes held in mmap'ed chunks (``mallinfo2().hblkhd``)."""
-
+# Run in a child with a clean environment: the test session itself runs under tcmalloc where it is
+# installed (conftest), and a process cannot change allocator once it has one.
+PROBE = """
+import ctypes, json, os, sys
+from warsha import runtime
+from serve import runtime as base
+info = runtime.apply(allocator=sys.argv[1] or None, reexec=sys.argv[2] == "1")
+out = {"info": info, "loaded": base.tcmalloc_loaded(), "env": {k: v for k, v in os.environ.items()
+       if k.startswith("MALLOC_") or k in ("LD_PRELOAD", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD")}}
+libc = ctypes.CDLL(None)
+if info["allocator"] == "glibc-tuned":
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd")] + [
-            (name, ctypes.c_size_t) for name in ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-        ]
-
-    fn = ctypes.CDLL(None).mallinfo2
-    fn.restype = MallInfo2
-    return fn().hblkhd
-
-
-@pytest.mark.skipif(not GLIBC or not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc 2.33+ only")
-def test_tuned_glibc_keeps_a_64mib_block_off_mmap(fresh: None) -> None:
-    libc = ctypes.CDLL(None)
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    libc.mallinfo2.restype = MallInfo2
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    info = runtime.apply(allocator="glibc-tuned")
-    assert info["allocator"] == "glibc-tuned" and info["allocator_source"] == "recipe"
-    before = _mmapped_bytes()
+    before = libc.mallinfo2().hblkhd
     block = libc.malloc(64 << 20)  # glibc's default would mmap this (its threshold is at most 32 MiB)
-    try:
-        assert _mmapped_bytes() == before
-    finally:
-        libc.free(block)
+    out["mmapped_64mib"] = libc.mallinfo2().hblkhd - before
     huge = libc.malloc((1 << 30) + (1 << 20))  # at or above 1 GiB: still mapped, so returned on free
-    try:
-        assert _mmapped_bytes() >= before + (1 << 30)
-    finally:
-        libc.free(huge)
-    assert _mmapped_bytes() == before
+    out["mmapped_1gib"] = libc.mallinfo2().hblkhd - before
+    libc.free(huge); libc.free(block)
+    out["mmapped_after_free"] = libc.mallinfo2().hblkhd - before
+print(json.dumps(out))
+"""
 
 
-@pytest.mark.skipif(not GLIBC, reason="glibc only")
-def test_tuned_policy_is_exported_to_child_processes(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
-        monkeypatch.delenv(name, raising=False)
-    runtime.apply()
-    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30)
-    assert int(os.environ["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 30
-    assert int(os.environ["MALLOC_TOP_PAD_"]) > 0
+def _probe(allocator: str = "", reexec: bool = False, **env: str) -> dict:
+    """``runtime.apply`` in a fresh interpreter started with no allocator policy in its environment."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "TCMALLOC_")) and k != "LD_PRELOAD"}
+    for key in ("WARSHA_ALLOCATOR", serve_runtime.REEXEC_MARK, serve_runtime.TCMALLOC_ENV):
+        clean.pop(key, None)
+    cmd = [sys.executable, "-c", PROBE, allocator, "1" if reexec else "0"]
+    done = subprocess.run(cmd, env={**clean, **env}, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_system_allocator_leaves_libc_alone(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    called = []
-    monkeypatch.setattr(runtime, "tune_glibc", lambda: called.append(1) or True)
-    monkeypatch.setenv("WARSHA_ALLOCATOR", "system")
-    info = runtime.apply(allocator="glibc-tuned")  # the environment wins over the recipe
-    assert info["allocator"] == "system" and info["allocator_source"] == "WARSHA_ALLOCATOR"
-    assert called == [] and "malloc" not in info
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_tuned_glibc_keeps_a_64mib_block_off_mmap_and_exports_its_policy() -> None:
+    out = _probe("glibc-tuned")
+    assert out["info"]["allocator"] == "glibc-tuned" and out["info"]["allocator_source"] == "recipe"
+    assert out["mmapped_64mib"] == 0 and out["mmapped_1gib"] >= 1 << 30 and out["mmapped_after_free"] == 0
+    assert out["env"]["MALLOC_MMAP_THRESHOLD_"] == str(1 << 30) and int(out["env"]["MALLOC_TOP_PAD_"]) > 0
+
+
+def test_system_allocator_leaves_libc_alone() -> None:
+    out = _probe("glibc-tuned", WARSHA_ALLOCATOR="system")  # the environment wins over the recipe
+    assert out["info"]["allocator"] == "system" and out["info"]["allocator_source"] == "WARSHA_ALLOCATOR"
+    assert not out["env"] and out["loaded"] is None and "malloc" not in out["info"]
+
+
+def test_default_is_tcmalloc_where_installed_preloaded_by_one_restart() -> None:
+    library = serve_runtime.find_tcmalloc()
+    out = _probe(reexec=True)
+    if library is None:  # hosts without the package fall back, and say so in the manifest
+        assert out["info"]["allocator"] == "glibc-tuned" and out["loaded"] is None
+        return
+    assert out["info"]["allocator"] == "tcmalloc" and out["info"]["allocator_source"] == "default"
+    assert out["loaded"] and Path(out["loaded"]).name.startswith("libtcmalloc") and out["info"]["library"]
+    assert out["env"]["LD_PRELOAD"].split()[0] == library  # children (torchrun, deepspeed) inherit it
+    assert "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD" in out["env"]  # no stderr line per large block
+
+
+def test_a_library_call_never_restarts_the_process() -> None:
+    if serve_runtime.find_tcmalloc() is None:
+        pytest.fail("libtcmalloc-minimal4 is not installed: `make setup` installs it as root")
+    out = _probe("tcmalloc", reexec=False)
+    assert out["info"]["allocator"] == "glibc-tuned" and out["loaded"] is None
+    assert out["info"]["allocator_source"] == "tcmalloc not preloaded in this process"
+
+
+def test_tcmalloc_asked_for_but_missing_is_named() -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", serve_runtime.REEXEC_MARK)}
+    clean.update({"WARSHA_ALLOCATOR": "tcmalloc", serve_runtime.TCMALLOC_ENV: "/nonexistent/libtcmalloc.so"})
+    done = subprocess.run([sys.executable, "-c", PROBE, "", "1"], env=clean, cwd=ROOT, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    assert done.returncode != 0
+    assert "WARSHA_ALLOCATOR=tcmalloc" in done.stderr and "libtcmalloc-minimal4" in done.stderr
 
 
 def test_allocator_is_set_once_per_process(fresh: None) -> None:
-    runtime.apply(allocator="glibc-tuned")
-    assert runtime.apply(allocator="system")["allocator"] == ("glibc-tuned" if GLIBC else "system")
+    first = runtime.apply(allocator="glibc-tuned")["allocator"]
+    assert runtime.apply(allocator="system")["allocator"] == first
 
 
 def test_bad_environment_values_are_named(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WARSHA_ALLOCATOR", "jemalloc")
-    with pytest.raises(runtime.RuntimeConfigError, match="WARSHA_ALLOCATOR"):
+    with pytest.raises(runtime.RuntimeConfigError, match="WARSHA_ALLOCATOR='jemalloc': must be one of tcmalloc"):
         runtime.apply()
     monkeypatch.delenv("WARSHA_ALLOCATOR")
     for bad in ("0", "-2", "two"):
@@ -122,8 +154,8 @@ def test_threads_field_is_validated(bad: object) -> None:
 
 
 def test_allocator_field_is_validated() -> None:
-    with pytest.raises(RecipeError, match=r"allocator: expected .glibc-tuned. | .system."):
-        parse_recipe({**tiny_recipe(), "allocator": "tcmalloc"})
+    with pytest.raises(RecipeError, match=r"allocator: expected .tcmalloc. | .glibc-tuned. | .system."):
+        parse_recipe({**tiny_recipe(), "allocator": "jemalloc"})
     assert parse_recipe({**tiny_recipe(), "threads": 2, "allocator": "system"}).threads == 2
 
 
@@ -144,7 +176,8 @@ def test_serve_thread_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="--threads"):
         serve_runtime.thread_count(0)
     monkeypatch.setenv("WARSHA_ALLOCATOR", "system")
-    assert serve_runtime.tune_allocator() == "system"
+    # a process cannot leave an allocator it already runs on: the truth is reported
+    assert serve_runtime.tune_allocator() == ("tcmalloc" if serve_runtime.tcmalloc_loaded() else "system")
     monkeypatch.setenv("WARSHA_ALLOCATOR", "bogus")
     with pytest.raises(ValueError, match="WARSHA_ALLOCATOR"):
         serve_runtime.tune_allocator()

@@ -44,4 +44,14 @@ def test_allocator_row_weights_rounds_by_time() -> None:
     assert row["system"]["tokens_per_s"] == pytest.approx(2000 / 30)
     assert row["system"]["sys_share"] == pytest.approx(15 / 60)
     assert row["glibc-tuned"]["sys_per_user"] == pytest.approx(1 / 19)
-    assert row["speedup"] == pytest.approx(200 / (2000 / 30))
+    assert row["glibc-tuned"]["speedup"] == pytest.approx(200 / (2000 / 30))
+    assert row["system"]["speedup"] == pytest.approx(1.0)
+
+
+def test_children_start_without_the_parents_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4 /opt/libother.so")
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "1")
+    monkeypatch.setenv("WARSHA_ALLOCATOR_REEXEC", "1")
+    env = train_bench._clean_env("system")
+    assert env["WARSHA_ALLOCATOR"] == "system" and env["LD_PRELOAD"] == "/opt/libother.so"
+    assert "MALLOC_TOP_PAD_" not in env and "WARSHA_ALLOCATOR_REEXEC" not in env

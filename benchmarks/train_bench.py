@@ -1,7 +1,8 @@
 """Training throughput: Warsha's trainer step against a bare PyTorch loop, and the allocator's share.
 
 For each stage's step (bootstrap, QLoRA adapt, YaRN fine-tune, distillation; the shapes are in
-``train_cases.py``) two copies of the same model train on the same batches with the same AdamW:
+``train_cases.py``) two copies of the same model train on the same batches with the same AdamW
+(``warsha.training.make_optimizer``):
 one through ``warsha.training.Trainer`` (accelerate, gradient clipping, the loss sync, progress
 and tracker reporting; checkpointing off), one through a bare ``loss / backward / step /
 zero_grad`` loop calling the same loss function. The two alternate step by step in one process,
@@ -83,7 +84,7 @@ def run_case(case: Case, args: argparse.Namespace, name: str) -> dict[str, Any]:
 
     from warsha.stage import StageContext
     from warsha.tracking import TrackingConfig, make_tracker
-    from warsha.training import Trainer, TrainParams, make_accelerator
+    from warsha.training import Trainer, TrainParams, make_accelerator, make_optimizer
 
     p = TrainParams(steps=10**6, batch_size=case.batch_size, seq_len=case.seq_len, lr=case.lr, warmup_steps=0,
                     checkpoint_every=10**6, log_every=10, bf16=False)  # fmt: skip
@@ -95,9 +96,8 @@ def run_case(case: Case, args: argparse.Namespace, name: str) -> dict[str, Any]:
     ours_model, bare_model = case.make_model(), case.make_model()
     trainer = Trainer(ours_model, p, ctx, case.batch_fn, loss_fn=case.loss_fn, name=name)
     acc = make_accelerator("cpu", p)
-    ours_opt = torch.optim.AdamW(_trainable(ours_model), lr=p.lr, weight_decay=p.weight_decay)
-    model, opt = acc.prepare(ours_model, ours_opt)
-    bare_opt = torch.optim.AdamW(_trainable(bare_model), lr=p.lr, weight_decay=p.weight_decay)
+    model, opt = acc.prepare(ours_model, make_optimizer(_trainable(ours_model), p))
+    bare_opt = make_optimizer(_trainable(bare_model), p)  # the same optimizer the trainer builds
 
     losses: dict[str, list[float]] = {"trainer": [], "bare": []}
 

@@ -22,7 +22,7 @@ setup: $(STAMP)
 # says how, and the processes fall back to glibc-tuned.
 TCMALLOC_PKG := libtcmalloc-minimal4
 define tcmalloc
-	@if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib*/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then \
+	@if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib*/libtcmalloc_minimal.so.4 2>/dev/null | grep -q .; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing $(TCMALLOC_PKG) (the allocator CPU training runs on)"; \
 	    apt-get install -y -q $(TCMALLOC_PKG) >/dev/null 2>&1 \

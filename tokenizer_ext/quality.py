@@ -44,7 +44,11 @@ def generation_speed(model: Any, tok: Any, prompts: list[str], new_tokens: int) 
     if prompts:  # warm-up: the first call pays one-off allocation and dispatch costs
         with torch.inference_mode():
             model.generate(
-                **tok(prompts[0], return_tensors="pt"), max_new_tokens=2, do_sample=False, pad_token_id=tok.eos_token_id
+                **tok(prompts[0], return_tensors="pt"),
+                max_new_tokens=2,
+                max_length=None,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
             )
     for prompt in prompts:
         enc = tok(prompt, return_tensors="pt")
@@ -53,6 +57,7 @@ def generation_speed(model: Any, tok: Any, prompts: list[str], new_tokens: int) 
             out = model.generate(
                 **enc,
                 max_new_tokens=new_tokens,
+                max_length=None,  # the saved config's max_length (the model's context) would warn per call
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=tok.eos_token_id,

@@ -211,7 +211,7 @@ def evaluate_base(ctx: StageContext, p: BootstrapParams, model: Any, tokenizer: 
     prompt = "Narrated Abu Huraira: The Prophet said,"
     ids = tokenizer(prompt, return_tensors="pt")
     with torch.inference_mode():
-        gen = model.generate(**ids, max_new_tokens=40, do_sample=False)
+        gen = model.generate(**ids, max_new_tokens=40, max_length=None, do_sample=False)
     out["sample"] = tokenizer.decode(gen[0], skip_special_tokens=True)
     return out
 

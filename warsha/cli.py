@@ -130,6 +130,11 @@ def _quiet_environment() -> None:
         ("WANDB_SILENT", "true"),
     ):
         os.environ.setdefault(key, value)
+    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd")):
+        # DeepSpeed (imported by accelerate) warns on every command that it fell back to the CPU
+        # when it has to detect the device itself; with no GPU driver present, say it up front.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # see docs/stack.md
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ start from identical weights.
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +88,7 @@ def adapt(args: argparse.Namespace) -> Case:
     from warsha.training import causal_lm_loss
 
     model_dir = Path(tempfile.mkdtemp(prefix="train-bench-adapt-"))
+    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)  # the saved base is only this run's
     _seeded_model(_llama_config(EXTENDED_VOCAB)).save_pretrained(model_dir)
     new_ids = list(range(BASE_VOCAB, EXTENDED_VOCAB))
     batches = _token_batches(args.steps, 8, 256, EXTENDED_VOCAB)

@@ -31,7 +31,7 @@ class Pools:
 def encode_docs(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, prefixed with BOS when the tokenizer has one."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [bos + ids for ids in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
+    return [bos + ids for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
 def build_pools(docs: Sequence[Sequence[int]], seq_len: int, prompt_len: int, seed: int) -> Pools:

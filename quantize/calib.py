@@ -42,7 +42,7 @@ def calibration_ids(
     stream: list[int] = []
     for start in range(0, len(texts), chunk):
         batch = list(texts[start : start + chunk])
-        for ids in tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]:
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
             if ids:
                 stream.extend(bos + ids + eos)
         if len(stream) >= need:

@@ -63,7 +63,7 @@ def doc_scores(
 
     stride = stride or max_length // 2
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
+    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
     jobs = [(d, w) for d, doc in enumerate(ids) for w in windows(len(doc), max_length, stride)]
     jobs.sort(key=lambda j: j[1][1] - j[1][0])  # similar widths together: less padding
     nll = torch.zeros(len(ids), dtype=torch.float64)

@@ -135,6 +135,17 @@ def _quiet_environment() -> None:
         # when it has to detect the device itself; with no GPU driver present, say it up front.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # see docs/stack.md
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_drop_too_long_notice)
+
+
+def _drop_too_long_notice(record: logging.LogRecord) -> bool:
+    """False for transformers' "sequence length is longer than the maximum" notice.
+
+    Warsha tokenizes whole documents on purpose (perplexity, calibration and distillation data
+    are cut into windows afterwards); the notice fires once per tokenizer whose
+    ``model_max_length`` is the model's context, i.e. in every stage after YaRN.
+    """
+    return not record.getMessage().startswith("Token indices sequence length is longer")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -63,7 +63,7 @@ def hf_encoder(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
     """A batch encoder over an HF tokenizer that adds no special tokens."""
 
     def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     return encode
 
@@ -124,7 +124,7 @@ def likelihood(
 
     stride = stride or max_length // 2
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
+    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
     jobs = [(doc, w) for doc in ids for w in windows(len(doc), max_length, stride)]
     total = 0.0
     device = next(model.parameters()).device
@@ -182,7 +182,7 @@ def unigram_bits_per_char(train_ids: Sequence[Sequence[int]], texts: Sequence[st
     vocab = len(tokenizer)
     total = sum(counts.values()) + vocab
     nll = 0.0
-    for seq in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]:
+    for seq in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
         nll -= sum(math.log((counts[t] + 1) / total) for t in seq)
     return nll / math.log(2) / max(sum(len(t) for t in texts), 1)
 

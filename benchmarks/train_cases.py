@@ -67,13 +67,13 @@ def _token_batches(steps: int, batch_size: int, seq_len: int, vocab: int) -> lis
     return [torch.randint(0, vocab, (batch_size, seq_len), generator=g) for _ in range(steps + 1)]
 
 
-def bootstrap(args: argparse.Namespace) -> Case:
-    """Full training of the bootstrap model on its 32k vocabulary."""
+def _causal_lm_case(make_model: Callable[[], Any], vocab: int, args: argparse.Namespace) -> Case:
+    """8 x 256-token rows scored at every position, as the bootstrap and adapt stages train."""
     from warsha.training import causal_lm_loss
 
-    batches = _token_batches(args.steps, 8, 256, BASE_VOCAB)
+    batches = _token_batches(args.steps, 8, 256, vocab)
     return Case(
-        make_model=lambda: _seeded_model(_llama_config(BASE_VOCAB)),
+        make_model=make_model,
         batch_fn=lambda step, micro, rank: {"input_ids": batches[step]},
         loss_fn=causal_lm_loss,
         batch_size=8,
@@ -82,23 +82,21 @@ def bootstrap(args: argparse.Namespace) -> Case:
     )
 
 
+def bootstrap(args: argparse.Namespace) -> Case:
+    """Full training of the bootstrap model on its 32k vocabulary."""
+    return _causal_lm_case(lambda: _seeded_model(_llama_config(BASE_VOCAB)), BASE_VOCAB, args)
+
+
 def adapt(args: argparse.Namespace) -> Case:
     """QLoRA on the extended model: NF4 base, LoRA r16 everywhere, the new rows trainable."""
     from tokenizer_ext import qlora
-    from warsha.training import causal_lm_loss
 
     model_dir = Path(tempfile.mkdtemp(prefix="train-bench-adapt-"))
     atexit.register(shutil.rmtree, model_dir, ignore_errors=True)  # the saved base is only this run's
     _seeded_model(_llama_config(EXTENDED_VOCAB)).save_pretrained(model_dir)
     new_ids = list(range(BASE_VOCAB, EXTENDED_VOCAB))
-    batches = _token_batches(args.steps, 8, 256, EXTENDED_VOCAB)
-    return Case(
-        make_model=lambda: qlora.load(model_dir, new_ids, False, 16, 32, 0.0, True, False, bf16=False),
-        batch_fn=lambda step, micro, rank: {"input_ids": batches[step]},
-        loss_fn=causal_lm_loss,
-        batch_size=8,
-        seq_len=256,
-        lr=2e-3,
+    return _causal_lm_case(
+        lambda: qlora.load(model_dir, new_ids, False, 16, 32, 0.0, True, False, bf16=False), EXTENDED_VOCAB, args
     )
 
 

@@ -1,11 +1,12 @@
-"""Serve's own AVX2 small-batch kernels (`csrc/gemv_avx2.cpp`): build, load, and the int4 layout.
+"""Serve's own AVX2 kernels (`csrc/`): build, load, the int4 layout and short-chunk paged attention.
 
 Why: a decode step reads every weight once for a handful of activation rows. On an AVX2-only
 CPU torch's bf16 matrix-vector product and its int4 kernel are bound by their own arithmetic,
 not by memory (see the C++ file's header for the measurements); these kernels widen each weight
 block once and reuse it for up to 8 rows. They are compiled on first use with torch's C++
 extension builder (g++ and ninja; about a minute, cached under TORCH_EXTENSIONS_DIR) and used
-for up to `MAX_ROWS` rows: decode steps and speculative verification. Without a compiler, on a
+for up to `MAX_ROWS` rows: decode steps and speculative verification. `csrc/attention_avx2.cpp`
+attends short query chunks (the same steps) straight from the paged cache. Without a compiler, on a
 CPU without AVX2+FMA, or with WARSHA_SERVE_CPU_KERNELS=0, the engine keeps torch's kernels and
 says so once in the log.
 """
@@ -17,6 +18,7 @@ import hashlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -24,7 +26,8 @@ import torch
 
 log = logging.getLogger("serve.cpu_kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv_avx2.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("gemv_avx2.cpp", "attention_avx2.cpp", "bindings.cpp"))
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
@@ -57,12 +60,13 @@ def load() -> ModuleType | None:
 
         # named by the hash of source and flags: checkouts of different versions never rebuild
         # each other's library (nor replace it under a running process); the same source builds once
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
+        text = b"".join(src.read_bytes() for src in SOURCES)
+        digest = hashlib.sha256(text + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
         name = f"warsha_serve_gemv_avx2_{digest}"
         clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         return cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(src) for src in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=LDFLAGS,
             verbose=False,
@@ -112,6 +116,40 @@ def gemv_int4(
     """x [M, K] @ dequant(packed).T; with int8_activations, x is quantized per 32 features first."""
     fn = load().gemv_int4_a8 if int8_activations else load().gemv_int4
     return fn(x, packed.q, packed.scales, packed.zeros, packed.group, out_dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: "AttentionPlan",
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D] against one layer's paged cache [Hkv, slots, D] (K/V of q's tokens already written)."""
+    return load().paged_attention(
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        plan.block_tables,
+        plan.context_lens,
+        plan.query_starts,
+        plan.query_lens,
+        plan.block_size,
+        scale,
+        plan.window or 0,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Per-forward inputs of `paged_attention`, built once and shared by every layer."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    context_lens: torch.Tensor  # [B] int64
+    query_starts: torch.Tensor  # [B] int64: first row of each sequence's queries
+    query_lens: torch.Tensor  # [B] int64
+    block_size: int
+    window: int | None
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

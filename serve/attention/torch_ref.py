@@ -10,6 +10,12 @@ All index and mask arithmetic happens once per forward in `build_metadata`, neve
 never per token in Python. Scores and softmax run in float32. On a CPU without native bf16
 (`serve.cpu`) a bf16 cache is gathered and upcast, and both matmuls run in float32 (bf16 batched
 matmuls are emulated there, 3-15x slower); the output is rounded to bf16 once.
+
+Short chunks on the CPU (query length at most `KERNEL_MAX_QUERY`: decode steps and speculative
+verification, also inside a step that prefills others) go to serve's AVX2 kernel instead
+(`serve.cpu_kernels`), which reads the paged cache in place with an online softmax; for chunks
+of that shape this module's path is mostly op launches. Long prefill chunks stay on SDPA and
+the batched matmuls, whose GEMMs win there.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from serve import cpu_kernels
 from serve.attention.interface import SeqChunk
 from serve.cpu import upcast_bf16_default
 from serve.kv_cache import block_table_tensor, slots_for
@@ -46,6 +53,14 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
     num_tokens: int
+    kernel_plan: cpu_kernels.AttentionPlan | None = None  # the short chunks, when the CPU kernel takes them
+    chunks: list[SeqChunk] | None = None  # all chunks and their tables, for torch's plans if the kernel
+    tables: torch.Tensor | None = None  # cannot take this forward's tensors after all
+
+
+# query length up to which the CPU kernel attends a chunk (decode, speculative verification)
+KERNEL_MAX_QUERY = 16
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _check_layout(chunks: list[SeqChunk]) -> None:
@@ -106,9 +121,13 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self, upcast_bf16: bool | None = None) -> None:
-        """`upcast_bf16`: compute bf16 attention in float32; None decides by the hardware."""
+    def __init__(self, upcast_bf16: bool | None = None, cpu_kernel: bool | None = None) -> None:
+        """`upcast_bf16`: compute bf16 attention in float32; None decides by the hardware.
+
+        `cpu_kernel`: attend short chunks with serve's AVX2 kernel; None uses it where it builds.
+        """
         self.upcast_bf16 = upcast_bf16
+        self.cpu_kernel = cpu_kernel
 
     def build_metadata(self, chunks: list[SeqChunk], block_size: int) -> TorchAttentionMetadata:
         """Slot mapping for the new tokens and one gather plan per query-length group."""
@@ -120,15 +139,46 @@ class TorchPagedAttention:
         positions = [p for c in chunks for p in range(c.context_len - c.query_len, c.context_len)]
         num_tokens = len(positions)
         slot_mapping = slots_for(tables, torch.tensor(seq_of_token), torch.tensor(positions), block_size)
+        short = self._kernel_chunks(chunks)
+        plan = self._plan(chunks, short, tables, block_size) if short else None
+        taken = set(short)
+        groups = self._groups(chunks, [i for i in range(len(chunks)) if i not in taken], tables, block_size)
+        return TorchAttentionMetadata(slot_mapping, groups, num_tokens, plan, chunks, tables)
+
+    def _kernel_chunks(self, chunks: list[SeqChunk]) -> list[int]:
+        """Indices of the chunks the CPU kernel attends: the short ones, where the kernel built."""
+        short = [i for i, c in enumerate(chunks) if c.query_len <= KERNEL_MAX_QUERY]
+        if not short or self.cpu_kernel is False or not cpu_kernels.available():
+            return []
+        return short
+
+    @staticmethod
+    def _plan(
+        chunks: list[SeqChunk], idx: list[int], tables: torch.Tensor, block_size: int
+    ) -> cpu_kernels.AttentionPlan:
+        """The kernel's inputs for the chunks `idx` (their query rows stay where they are in the batch)."""
+        picked = [chunks[i] for i in idx]
+        return cpu_kernels.AttentionPlan(
+            block_tables=tables if len(idx) == len(chunks) else tables[torch.tensor(idx)],
+            context_lens=torch.tensor([c.context_len for c in picked]),
+            query_starts=torch.tensor([c.query_start for c in picked]),
+            query_lens=torch.tensor([c.query_len for c in picked]),
+            block_size=block_size,
+            window=picked[0].window,
+        )
+
+    def _groups(
+        self, chunks: list[SeqChunk], idx: list[int], tables: torch.Tensor, block_size: int
+    ) -> list[AttentionGroup]:
+        """The torch path's gather plans for chunks `idx`: per query length, split where contexts differ a lot."""
         by_len: dict[int, list[int]] = defaultdict(list)
-        for i, c in enumerate(chunks):
-            by_len[c.query_len].append(i)
-        groups = [
+        for i in idx:
+            by_len[chunks[i].query_len].append(i)
+        return [
             self._group(chunks, part, tables, block_size)
-            for idx in by_len.values()
-            for part in split_by_context(idx, [chunks[i].context_len for i in idx])
+            for same in by_len.values()
+            for part in split_by_context(same, [chunks[i].context_len for i in same])
         ]
-        return TorchAttentionMetadata(slot_mapping=slot_mapping, groups=groups, num_tokens=num_tokens)
 
     @staticmethod
     def _group(chunks: list[SeqChunk], idx: list[int], tables: torch.Tensor, block_size: int) -> AttentionGroup:
@@ -172,16 +222,20 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """q [T, H, D] against one layer's paged cache [Hkv, slots, D]; returns [T, H, D]."""
-        groups = metadata.groups
+        plan, groups, out = metadata.kernel_plan, metadata.groups, None
+        if plan is not None and q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in KERNEL_DTYPES:
+            out = cpu_kernels.paged_attention(q, k_cache, v_cache, plan, scale)  # the short chunks' rows
+        elif plan is not None:  # tensors the kernel cannot take (device, dtype): every chunk on torch
+            groups = self._groups(metadata.chunks, list(range(len(metadata.chunks))), metadata.tables, plan.block_size)
         up = self.upcast_bf16
         up = q.dtype == torch.bfloat16 and (upcast_bf16_default(q.dtype, q.device) if up is None else up)
-        if len(groups) == 1 and groups[0].row_range == (0, q.shape[0]):
+        if out is None and len(groups) == 1 and groups[0].row_range == (0, q.shape[0]):
             return (
                 self._group_forward(q, k_new, v_new, k_cache, v_cache, groups[0], scale, up)
                 .reshape(q.shape)
                 .to(q.dtype)
             )
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         for g in groups:
             o = (
                 self._group_forward(q, k_new, v_new, k_cache, v_cache, g, scale, up)

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -258,53 +259,128 @@ inline void w4a8_block(const int8_t* xq, const float* xs8, const uint8_t* qn, in
   }
 }
 
-// Per weight group: blocks alternate between two accumulator sets (consecutive FMAs do not wait
-// on each other), then the group's weight scale multiplies their sum once.
+// Calls f(std::integral_constant<int, R>) for a chunk of `rows` activation rows (1-8).
+template <typename F>
+void by_rows(int rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// ---- the same product, two blocks per step (K a multiple of 64, groups of 64 or more).
+// Why: per 32 weights the one-block step above spends four vector ops unpacking nibbles into feature
+// order and three more converting and scaling one block's dot product, and a decode row was
+// bound by that arithmetic rather than by reading the weights. Loading two blocks' 32 bytes at once, one mask gives the low nibbles
+// of both (features 0-15 of each block) and one shift and mask the high nibbles (features 16-31).
+// The activations are laid out once per call in that order, so no weight is ever shuffled; the
+// two u8 x s8 products add in 16 bits (|sum| <= 4 * 15 * 127 fits), one `madd` widens them, and
+// lanes 0-3 hold block 2p's partial sums, lanes 4-7 block 2p+1's: one conversion and one FMA
+// with both blocks' activation scales finish the pair.
+
+struct PairRows {
+  std::vector<int8_t> q;      // [R, K]: per 64 features, x[0:16] x[32:48] x[16:32] x[48:64]
+  std::vector<float> scale8;  // [R, K/64, 8]: lanes 0-3 block 2p's scale, lanes 4-7 block 2p+1's
+};
+
+PairRows pair_rows(const QuantRows& xq, int R, int64_t K) {
+  const int64_t blocks = K / kBlock, pairs = K / (2 * kBlock);
+  PairRows out{std::vector<int8_t>(R * K), std::vector<float>(R * pairs * 8)};
+  for (int r = 0; r < R; ++r) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int8_t* src = xq.q.data() + r * K + p * 64;
+      int8_t* dst = out.q.data() + r * K + p * 64;
+      std::memcpy(dst, src, 16);
+      std::memcpy(dst + 16, src + 32, 16);
+      std::memcpy(dst + 32, src + 16, 16);
+      std::memcpy(dst + 48, src + 48, 16);
+      for (int l = 0; l < 8; ++l) out.scale8[(r * pairs + p) * 8 + l] = xq.scale8[(r * blocks + 2 * p + l / 4) * 8];
+    }
+  }
+  return out;
+}
+
 template <int R>
-void w4a8_kernel(const QuantRows& xq, const uint8_t* q, const float* scales, const float* zeros, int64_t K, int64_t group,
-                 int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t blocks = K / kBlock, groups = K / group, per_group = group / kBlock;
-  const int8_t* xqp = xq.q.data();
-  const float* xs8 = xq.scale8.data();
+inline void w4a8_pair(const PairRows& xp, const uint8_t* qn, int64_t p, int64_t K, int64_t pairs, __m256* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + p * kBlock));
+  const __m256i lo = _mm256_and_si256(v, low);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* x = xp.q.data() + r * K + p * 64;
+    const __m256i d16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))));
+    const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(d16, ones));
+    acc[r] = _mm256_fmadd_ps(d, _mm256_loadu_ps(xp.scale8.data() + (r * pairs + p) * 8), acc[r]);
+  }
+}
+
+// sum over groups of zeros[g] * gsum[g]: the zero-point term of one output and one row
+inline float zero_term(const float* zeros, const float* gsum, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + g), _mm256_loadu_ps(gsum + g), acc);
+  float total = hsum(acc);
+  for (; g < groups; ++g) total += zeros[g] * gsum[g];
+  return total;
+}
+
+// The steps the group loop below walks: one block of 32 weights, or a pair of blocks.
+struct BlockStep {
+  static constexpr int64_t kWidth = kBlock;
+  const QuantRows& xq;
+  int64_t K;
+  template <int R>
+  inline void apply(const uint8_t* qn, int64_t b, __m256* acc) const {
+    w4a8_block<R>(xq.q.data(), xq.scale8.data(), qn, b, K, K / kBlock, acc);
+  }
+};
+
+struct PairStep {
+  static constexpr int64_t kWidth = 2 * kBlock;
+  const PairRows& xp;
+  int64_t K;
+  template <int R>
+  inline void apply(const uint8_t* qn, int64_t p, __m256* acc) const {
+    w4a8_pair<R>(xp, qn, p, K, K / kWidth, acc);
+  }
+};
+
+// Per weight group: steps alternate between two accumulator sets (consecutive FMAs do not wait
+// on each other), then the group's weight scale multiplies their sum once; the zero-point term
+// comes last from the exact activation sums.
+template <int R, typename Step>
+void w4a8_kernel(const Step& step, const QuantRows& xq, const uint8_t* q, const float* scales, const float* zeros, int64_t K,
+                 int64_t group, int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t groups = K / group, per_group = group / Step::kWidth;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* qn = q + n * (K / 2);
-    if (R >= 2 && n + 1 < N) {  // the next output's weights, as rows_kernel does (one line per 4 blocks)
+    if (R >= 2 && n + 1 < N) {  // the next output's weights, as rows_kernel does
       for (int64_t off = 0; off < K / 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(qn + K / 2 + off), _MM_HINT_T0);
     }
     for (int64_t g = 0; g < groups; ++g) {
       __m256 g0[R], g1[R];
       for (int r = 0; r < R; ++r) g0[r] = g1[r] = _mm256_setzero_ps();
-      int64_t b = g * per_group;
-      const int64_t end = b + per_group;
-      for (; b + 2 <= end; b += 2) {
-        w4a8_block<R>(xqp, xs8, qn, b, K, blocks, g0);
-        w4a8_block<R>(xqp, xs8, qn, b + 1, K, blocks, g1);
+      int64_t u = g * per_group;
+      const int64_t end = u + per_group;
+      for (; u + 2 <= end; u += 2) {
+        step.template apply<R>(qn, u, g0);
+        step.template apply<R>(qn, u + 1, g1);
       }
-      if (b < end) w4a8_block<R>(xqp, xs8, qn, b, K, blocks, g0);
+      if (u < end) step.template apply<R>(qn, u, g0);
       const __m256 s = _mm256_set1_ps(scales[n * groups + g]);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(g0[r], g1[r]), s, acc[r]);
     }
-    for (int r = 0; r < R; ++r) {
-      float zt = 0.f;
-      for (int64_t g = 0; g < groups; ++g) zt += zeros[n * groups + g] * xq.gsum[r * groups + g];
-      y[r * N + n] = hsum(acc[r]) + zt;
-    }
-  }
-}
-
-void w4a8_dispatch(int rows, const QuantRows& xq, const uint8_t* q, const float* s, const float* z, int64_t K, int64_t group,
-                   int64_t N, int64_t n0, int64_t n1, float* y) {
-  switch (rows) {
-    case 1: return w4a8_kernel<1>(xq, q, s, z, K, group, N, n0, n1, y);
-    case 2: return w4a8_kernel<2>(xq, q, s, z, K, group, N, n0, n1, y);
-    case 3: return w4a8_kernel<3>(xq, q, s, z, K, group, N, n0, n1, y);
-    case 4: return w4a8_kernel<4>(xq, q, s, z, K, group, N, n0, n1, y);
-    case 5: return w4a8_kernel<5>(xq, q, s, z, K, group, N, n0, n1, y);
-    case 6: return w4a8_kernel<6>(xq, q, s, z, K, group, N, n0, n1, y);
-    case 7: return w4a8_kernel<7>(xq, q, s, z, K, group, N, n0, n1, y);
-    default: return w4a8_kernel<8>(xq, q, s, z, K, group, N, n0, n1, y);
+    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) + zero_term(zeros + n * groups, xq.gsum.data() + r * groups, groups);
   }
 }
 
@@ -359,9 +435,21 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x_in, const torch::Tensor& q, co
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
     const QuantRows xq = quantize_rows(x.data + m0 * K, rows, K, group);
     float* yp = y.data() + m0 * N;
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      w4a8_dispatch(rows, xq, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), K, group, N, n0, n1, yp);
-    });
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const float* sp = scales.data_ptr<float>();
+    const float* zp = zeros.data_ptr<float>();
+    if (K % PairStep::kWidth == 0 && group >= PairStep::kWidth) {
+      const PairRows xp = pair_rows(xq, rows, K);
+      const PairStep step{xp, K};
+      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+        by_rows(rows, [&](auto R) { w4a8_kernel<decltype(R)::value>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp); });
+      });
+    } else {
+      const BlockStep step{xq, K};
+      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+        by_rows(rows, [&](auto R) { w4a8_kernel<decltype(R)::value>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp); });
+      });
+    }
   }
   return emit(y, M, N, out_dtype);
 }
@@ -402,12 +490,4 @@ int64_t parallel_threads() {
   int64_t used = 0;
   for (int v : seen) used += v;
   return used;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation (AVX2)");
-  m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations (AVX2)");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "transformers' RMSNorm on bf16 rows in one call");
-  m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
-  m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features (AVX2)");
 }

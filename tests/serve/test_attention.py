@@ -44,8 +44,9 @@ def dense_sdpa(q: torch.Tensor, chunks: list[SeqChunk], dense, scale: float) -> 
     return out
 
 
+@pytest.mark.parametrize("cpu_kernel", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_paged_matches_dense(seed: int) -> None:
+def test_paged_matches_dense(seed: int, cpu_kernel: bool) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     heads, kv_heads = rng.choice([(4, 4), (4, 2), (8, 2), (6, 1)])
@@ -55,7 +56,7 @@ def test_paged_matches_dense(seed: int) -> None:
     )
     scale = dim**-0.5
     expected = dense_sdpa(q, chunks, dense, scale)
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(cpu_kernel=cpu_kernel)
     meta = backend.build_metadata(chunks, block_size)
     k_new, v_new = kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1)
     got = backend.forward(q, k_new, v_new, kc, vc, meta, scale)

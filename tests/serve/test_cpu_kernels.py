@@ -101,11 +101,15 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 9])
-@pytest.mark.parametrize("group", [32, 128])
-def test_int4_int8_activation_kernel_matches_its_arithmetic(rows: int, group: int) -> None:
-    """q * scale terms use the rounded activations, the zero term the exact ones."""
-    q, scales, zeros = _random_int4(256, 40, group, seed=7 * rows + group)
-    x = torch.randn(rows, 256) * torch.linspace(0.1, 3, 256)  # uneven magnitudes across blocks
+@pytest.mark.parametrize("group, k", [(32, 256), (32, 224), (64, 320), (64, 1152), (128, 256), (128, 640)])
+def test_int4_int8_activation_kernel_matches_its_arithmetic(rows: int, group: int, k: int) -> None:
+    """q * scale terms use the rounded activations, the zero term the exact ones.
+
+    Group 32 or K not a multiple of 64 take the one-block kernel, the rest the two-block one
+    (an odd number of pairs per group at 64, group counts on both sides of 8 for the zero term).
+    """
+    q, scales, zeros = _random_int4(k, 40, group, seed=7 * rows + group)
+    x = torch.randn(rows, k) * torch.linspace(0.1, 3, k)  # uneven magnitudes across blocks
     x[0, :32] = 0.0  # an all-zero block must not divide by zero
     s, z = scales.double().repeat_interleave(group, 0), zeros.double().repeat_interleave(group, 0)
     ref = _int8_rows(x) @ (q.double() * s) + x.double() @ (z - 8 * s)

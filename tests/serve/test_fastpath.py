@@ -132,7 +132,7 @@ def test_many_decode_sequences_split_into_groups_match_dense() -> None:
         chunks.append(SeqChunk(start, q_len, ctx, table))
         start += q_len
     q = torch.randn(start, heads, dim)
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(cpu_kernel=False)  # the torch path's grouping is under test
     meta = backend.build_metadata(chunks, bs)
     assert len([g for g in meta.groups if g.query_len == 1]) > 1
     got = backend.forward(
@@ -166,7 +166,7 @@ def test_bf16_attention_upcast_matches_float64_reference() -> None:
     ref = paged_attention_reference(q.double(), kc.double(), vc.double(), chunks, bs, dim**-0.5)
     errors = {}
     for up in (True, False):
-        backend = TorchPagedAttention(upcast_bf16=up)
+        backend = TorchPagedAttention(upcast_bf16=up, cpu_kernel=False)
         meta = backend.build_metadata(chunks, bs)
         got = backend.forward(
             q,

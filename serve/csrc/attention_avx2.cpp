@@ -1,0 +1,271 @@
+// Paged attention for short query chunks on the CPU (AVX2 + FMA): decode steps and speculative
+// verification, read straight from the heads-first paged cache.
+//
+// Why: the torch path gathers whole blocks into a padded copy, widens a bf16 cache to float32 in
+// another copy and then runs two batched matmuls and a softmax, about ten op launches per layer.
+// For a decode step that work is tiny and the launches dominate (a batch-1 step of a 22-layer
+// model spent more time in attention than in its output projection). Here one pass per
+// (sequence, KV head) walks the sequence's blocks, keeps an online softmax in float32 for every
+// query row that shares the KV head (GQA: the group's heads are rows, K/V are read once), and
+// writes the output rounded once. Key positions past a row's own position or before its sliding
+// window are skipped, never gathered.
+//
+// Layouts (serve/attention/interface.py): q [T, H, D]; k_cache, v_cache [Hkv, slots, D]; a
+// sequence's position p lives at slot block_table[p / block_size] * block_size + p % block_size.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 64;  // keys scored before their softmax update and value pass
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float widen1(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t narrow1(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// D consecutive values as float32 into `out` (bf16 widened, float32 copied).
+template <typename T>
+inline void load_row(const T* src, int64_t D, float* out);
+
+template <>
+inline void load_row<float>(const float* src, int64_t D, float* out) {
+  std::memcpy(out, src, sizeof(float) * D);
+}
+
+template <>
+inline void load_row<uint16_t>(const uint16_t* src, int64_t D, float* out) {
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+    _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+}
+
+inline void store_row(const float* src, int64_t D, float* dst) { std::memcpy(dst, src, sizeof(float) * D); }
+inline void store_row(const float* src, int64_t D, uint16_t* dst) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = narrow1(src[d]);
+}
+
+// exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), 2^n
+// through the exponent bits. Relative error about 2e-7; inputs below -87 give 0 (softmax
+// arguments are never positive here).
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  if (d < D) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+  return hsum8(_mm256_add_ps(s0, s1));
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t D) {
+  const __m256 av = _mm256_set1_ps(a);
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(y + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+}
+
+inline void scale_row(float a, float* y, int64_t D) {
+  const __m256 av = _mm256_set1_ps(a);
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(y + d, _mm256_mul_ps(av, _mm256_loadu_ps(y + d)));
+}
+
+// exp(s - m) in place over n scores, returning their sum (masked scores are -inf and give 0).
+inline float exp_shift_sum(float* s, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = hsum8(acc);
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    total += s[j];
+  }
+  return total;
+}
+
+struct Plan {
+  const int64_t* tables;  // [B, W]
+  int64_t width;          // W
+  const int64_t* ctx;     // [B]
+  const int64_t* qstart;  // [B]
+  const int64_t* qlen;    // [B]
+  int64_t block_size, window;  // window <= 0: none
+  int64_t H, Hkv, D;
+  float scale;
+};
+
+// Everything one (sequence, KV head) task needs as scratch: the group's queries, their running
+// max / sum / accumulator, a tile of scores and one widened K or V row.
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores, row;
+  Scratch(int64_t rows, int64_t D) : q(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * kTile), row(D) {}
+};
+
+// One (sequence, KV head) task; kc, vc are this KV head's planes of the cache ([slots, D]).
+template <typename T>
+void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t b, int64_t h_kv, Scratch& s) {
+  const int64_t G = p.H / p.Hkv, Q = p.qlen[b], D = p.D, rows = G * Q;
+  const int64_t ctx = p.ctx[b], first_pos = ctx - Q;
+  // row r = i * G + g: query token i (position first_pos + i), head h_kv * G + g
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / G, h = h_kv * G + r % G;
+    load_row<T>(q + ((p.qstart[b] + i) * p.H + h) * D, D, s.q.data() + r * D);
+    for (int64_t d = 0; d < D; ++d) s.q[r * D + d] *= p.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+  const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t* table = p.tables + b * p.width;
+  for (int64_t t0 = key_lo; t0 < ctx; t0 += kTile) {
+    const int64_t n = std::min(kTile, ctx - t0);
+    // scores of every row against the tile's keys, -inf outside each row's causal window
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = t0 + j;
+      const int64_t slot = table[pos / p.block_size] * p.block_size + pos % p.block_size;
+      load_row<T>(kc + slot * D, D, s.row.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qpos = first_pos + r / G;
+        const bool visible = pos <= qpos && (p.window <= 0 || pos > qpos - p.window);
+        s.scores[r * kTile + j] = visible ? dot(s.q.data() + r * D, s.row.data(), D) : -std::numeric_limits<float>::infinity();
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s.scores.data() + r * kTile;
+      float tile_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sr[j]);
+      if (tile_max == -std::numeric_limits<float>::infinity()) {  // nothing visible to this row here
+        std::fill(sr, sr + n, 0.f);
+        continue;
+      }
+      const float m_new = std::max(s.m[r], tile_max);
+      if (s.m[r] != -std::numeric_limits<float>::infinity() && s.m[r] != m_new) {
+        const float c = std::exp(s.m[r] - m_new);
+        s.l[r] *= c;
+        scale_row(c, s.acc.data() + r * D, D);
+      }
+      s.m[r] = m_new;
+      s.l[r] += exp_shift_sum(sr, n, m_new);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = t0 + j;
+      const int64_t slot = table[pos / p.block_size] * p.block_size + pos % p.block_size;
+      load_row<T>(vc + slot * D, D, s.row.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const float w = s.scores[r * kTile + j];
+        if (w != 0.f) axpy(w, s.row.data(), s.acc.data() + r * D, D);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / G, h = h_kv * G + r % G;
+    float* a = s.acc.data() + r * D;
+    scale_row(s.l[r] > 0.f ? 1.f / s.l[r] : 0.f, a, D);
+    store_row(a, D, out + ((p.qstart[b] + i) * p.H + h) * D);
+  }
+}
+
+template <typename T>
+void run_all(const Plan& p, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::Tensor& out,
+             int64_t B) {
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t slots = k_cache.size(1), max_q = *std::max_element(p.qlen, p.qlen + B);
+  at::parallel_for(0, B * p.Hkv, 1, [&](int64_t t0, int64_t t1) {
+    Scratch s((p.H / p.Hkv) * max_q, p.D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / p.Hkv, h = t % p.Hkv;
+      attend<T>(p, qp, kp + h * slots * p.D, vp + h * slots * p.D, op, b, h, s);
+    }
+  });
+}
+
+torch::Tensor as_long(const torch::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.numel() == n, name, " must be a CPU tensor of ", n, " values, got ", t.sizes());
+  return t.to(torch::kLong).contiguous();
+}
+
+}  // namespace
+
+// q [T, H, D] against the paged cache; every sequence b owns query rows [qstart[b], qstart[b] +
+// qlen[b]) at positions [ctx[b] - qlen[b], ctx[b]); their K/V are already in the cache.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, const torch::Tensor& q_starts,
+                              const torch::Tensor& q_lens, int64_t block_size, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q must be a contiguous CPU tensor [tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [kv_heads, slots, head_dim] of one shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kFloat32, "paged_attention takes bf16 or float32");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && D % 8 == 0, "head_dim must match the cache and be a multiple of 8");
+  TORCH_CHECK(H % Hkv == 0, "query heads (", H, ") must be a multiple of KV heads (", Hkv, ")");
+  TORCH_CHECK(block_tables.dim() == 2 && block_size > 0, "block_tables must be [sequences, max_blocks]");
+  const int64_t B = block_tables.size(0);
+  const torch::Tensor tables = block_tables.to(torch::kLong).contiguous();
+  const torch::Tensor ctx = as_long(ctx_lens, "ctx_lens", B), qs = as_long(q_starts, "q_starts", B), ql = as_long(q_lens, "q_lens", B);
+  const int64_t* c = ctx.data_ptr<int64_t>();
+  const int64_t* s = qs.data_ptr<int64_t>();
+  const int64_t* l = ql.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(l[b] >= 1 && c[b] >= l[b] && s[b] >= 0 && s[b] + l[b] <= q.size(0), "sequence ", b, ": rows or lengths out of range");
+    TORCH_CHECK((c[b] + block_size - 1) / block_size <= tables.size(1), "sequence ", b, ": block table shorter than its context");
+  }
+  const Plan plan{tables.data_ptr<int64_t>(), tables.size(1), c, s, l, block_size, window, H, Hkv, D, static_cast<float>(scale)};
+  torch::Tensor out = torch::zeros_like(q);
+  if (q.scalar_type() == torch::kFloat32)
+    run_all<float>(plan, q, k_cache, v_cache, out, B);
+  else
+    run_all<uint16_t>(plan, q, k_cache, v_cache, out, B);
+  return out;
+}

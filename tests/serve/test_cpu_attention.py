@@ -1,0 +1,166 @@
+"""serve's AVX2 paged attention for short chunks against a float64 brute-force loop.
+
+The reference walks each sequence position by position through its block table, with an explicit
+softmax in float64 over the keys each query may see (causal, and inside a sliding window when
+one is set). Block 0 of every cache is filled with NaN and never given to a sequence: padding and
+handed-back table entries point at it, so any read outside a row's visible keys poisons the
+output. Shapes cover GQA ratios 1-8, head sizes 16-256, contexts across the kernel's 64-key
+tiles, query chunks of 1-16 tokens, bf16 and float32, and 1 or 2 threads.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from serve import cpu_kernels
+from serve.attention import SeqChunk, TorchPagedAttention
+from serve.attention.torch_ref import KERNEL_MAX_QUERY
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX")), reason="the kernel needs AVX2"
+)
+
+NULL_BLOCK = -1
+
+
+def make_case(
+    seed: int, heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SeqChunk]]:
+    """q, caches and chunks: up to 5 sequences, contexts 1-300, shuffled tables, block 0 poisoned."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 1 + 5 * (-(-300 // block_size))
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    shape = (kv_heads, num_blocks * block_size, dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_cache[:, :block_size] = float("nan")
+    v_cache[:, :block_size] = float("nan")
+    chunks, start = [], 0
+    for _ in range(rng.randint(1, 5)):
+        ctx = rng.choice([1, 7, 64, 65, 130, rng.randint(1, 300)])
+        q_len = min(ctx, rng.choice([1, 1, 2, 5, KERNEL_MAX_QUERY]))
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        if window is not None:  # blocks no query can see any more were handed back
+            first_visible = max(0, ctx - q_len - window + 1) // block_size
+            table = [NULL_BLOCK] * first_visible + table[first_visible:]
+        chunks.append(SeqChunk(start, q_len, ctx, table, window=window))
+        start += q_len
+    q = torch.randn(start, heads, dim, generator=gen)
+    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), chunks
+
+
+def brute_force(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: list[SeqChunk], bs: int, scale: float
+) -> torch.Tensor:
+    """float64, one query row and one head at a time."""
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for c in chunks:
+        for i in range(c.query_len):
+            pos = c.context_len - c.query_len + i
+            lo = 0 if c.window is None else max(0, pos - c.window + 1)
+            slots = [c.block_table[p // bs] * bs + p % bs for p in range(lo, pos + 1)]
+            for h in range(heads):
+                kvh = h // (heads // kv_heads)
+                keys = k_cache[kvh, slots].double()
+                values = v_cache[kvh, slots].double()
+                scores = keys @ q[c.query_start + i, h].double() * scale
+                out[c.query_start + i, h] = torch.softmax(scores, 0) @ values
+    return out
+
+
+def run_kernel(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[SeqChunk], bs: int, scale: float):
+    backend = TorchPagedAttention(cpu_kernel=True)
+    meta = backend.build_metadata(chunks, bs)
+    assert meta.kernel_plan is not None, "short chunks must go to the kernel"
+    k_new, v_new = kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1)
+    return backend.forward(q, k_new, v_new, kc, vc, meta, scale)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim", [(4, 4, 16), (8, 2, 64), (8, 1, 32), (16, 2, 128), (4, 1, 256), (6, 3, 24)]
+)
+def test_float32_matches_float64_brute_force(seed: int, heads: int, kv_heads: int, dim: int) -> None:
+    bs = random.Random(seed).choice([1, 4, 16, 32])
+    q, kc, vc, chunks = make_case(seed, heads, kv_heads, dim, bs, torch.float32)
+    got = run_kernel(q, kc, vc, chunks, bs, dim**-0.5)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), brute_force(q, kc, vc, chunks, bs, dim**-0.5), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("window", [1, 5, 64, 100])
+def test_sliding_window_reads_only_visible_keys(seed: int, window: int) -> None:
+    q, kc, vc, chunks = make_case(seed, 8, 2, 32, 16, torch.float32, window=window)
+    got = run_kernel(q, kc, vc, chunks, 16, 0.2)
+    assert not got.isnan().any(), "a key outside the window was read"
+    torch.testing.assert_close(got.double(), brute_force(q, kc, vc, chunks, 16, 0.2), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_is_float32_math_rounded_once(seed: int) -> None:
+    """bf16 q/cache are widened exactly; the float64 result rounded to bf16 is at most one bf16 step away."""
+    q, kc, vc, chunks = make_case(seed, 8, 2, 64, 16, torch.bfloat16)
+    got = run_kernel(q, kc, vc, chunks, 16, 0.125)
+    assert got.dtype == torch.bfloat16
+    ref = brute_force(q, kc, vc, chunks, 16, 0.125)
+    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=1e-6))) - 7)
+    assert ((got.double() - ref).abs() <= step + 1e-6).all()
+
+
+def test_same_result_on_one_and_two_threads() -> None:
+    q, kc, vc, chunks = make_case(3, 16, 2, 64, 16, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_kernel(q, kc, vc, chunks, 16, 0.125)
+        torch.set_num_threads(2)
+        two = run_kernel(q, kc, vc, chunks, 16, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_beside_decode_splits_between_kernel_and_torch(dtype: torch.dtype) -> None:
+    """A step that prefills one sequence and decodes others: short chunks on the kernel, the long
+    one on torch, all rows right; float16 (which the kernel does not take) runs all on torch."""
+    q, kc, vc, chunks = make_case(5, 8, 2, 32, 16, torch.float32)
+    long_len = KERNEL_MAX_QUERY + 9
+    start = q.shape[0]
+    table = [b for c in chunks for b in c.block_table]  # reuse blocks: only reads are tested
+    chunks.append(SeqChunk(start, long_len, long_len, table[: -(-long_len // 16)]))
+    q = torch.cat([q, torch.randn(long_len, 8, 32)])
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    backend = TorchPagedAttention(cpu_kernel=True)
+    meta = backend.build_metadata(chunks, 16)
+    assert meta.kernel_plan is not None and len(meta.kernel_plan.query_lens) == len(chunks) - 1
+    assert [g.query_len for g in meta.groups] == [long_len]
+    k_new, v_new = kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1)
+    got = backend.forward(q, k_new, v_new, kc, vc, meta, 0.2)
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.double(), brute_force(q, kc, vc, chunks, 16, 0.2), atol=tol, rtol=tol)
+
+
+def test_switched_off_kernel_plans_nothing() -> None:
+    chunks = [SeqChunk(0, 1, 9, [4])]
+    assert TorchPagedAttention(cpu_kernel=False).build_metadata(chunks, 16).kernel_plan is None
+
+
+def test_bad_inputs_are_named_errors() -> None:
+    q, kc, vc, chunks = make_case(0, 8, 2, 32, 16, torch.float32)
+    plan = TorchPagedAttention(cpu_kernel=True).build_metadata(chunks, 16).kernel_plan
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_kernels.paged_attention(q, kc.bfloat16(), vc.bfloat16(), plan, 0.2)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        cpu_kernels.paged_attention(q[:, :7], kc[:2], vc[:2], plan, 0.2)
+    short = cpu_kernels.AttentionPlan(
+        plan.block_tables[:, :0], plan.context_lens, plan.query_starts, plan.query_lens, 16, None
+    )
+    with pytest.raises(RuntimeError, match="block table shorter"):
+        cpu_kernels.paged_attention(q, kc, vc, short, 0.2)

@@ -142,7 +142,11 @@ def decode_rows(
     add(32, "warsha fp32", warsha_run(model_dir, one, args, dtype="float32"), b32, 4, model_dir)
     if int4_dir is not None:
         w4 = warsha_run(int4_dir, one, args, int4_activations="int8")
-        add(4, "warsha int4 (GPTQ RTN g128, int8 act)", w4, rl.checkpoint_decode_bytes(int4_dir), 2, model_dir)
+        b4 = rl.checkpoint_decode_bytes(int4_dir)
+        add(4, "warsha int4 (GPTQ RTN g128, int8 act)", w4, b4, 2, model_dir)
+        # as llama.cpp's Q4_0 stores its head in 6 bits: the same checkpoint with serve's int8 head
+        w4h = warsha_run(int4_dir, one, args, int4_activations="int8", head_quant="int8")
+        add(4, "warsha int4 + int8 head", w4h, b4 - rl.head_bytes_saved_int8(int4_dir), 2, model_dir)
     peers: dict[str, Any] = {}
     if "llamacpp" not in args.skip:
         peers["llamacpp"] = lc = run_llamacpp(model_dir, prompt, n, args)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from serve.head_quant import HEAD_QUANTS
+
 ENGINE_DTYPES = ("bfloat16", "float32")
 DEVICES = ("cpu", "cuda")
 INT4_ACTIVATIONS = ("int8", "float")
@@ -24,6 +26,8 @@ class EngineArgs:
     file. `attention_backend`: None picks by device (torch on CPU, Triton on CUDA); "triton"
     on CPU runs only under TRITON_INTERPRET=1. `int4_activations`: how int4 checkpoints
     multiply small batches on CPU ("int8": activations rounded per 32 features; "float").
+    `head_quant`: "int8" rounds the LM head (target and draft) to int8 per row on CPU
+    (`serve.head_quant`); "none" serves the checkpoint's head.
     """
 
     dtype: str = "bfloat16"
@@ -43,6 +47,7 @@ class EngineArgs:
     draft_vocab_size: int | None = None
     attention_backend: str | None = None
     int4_activations: str = "int8"
+    head_quant: str = "none"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -58,6 +63,10 @@ class EngineArgs:
             out.append(f"device={self.device!r} is not supported; use cpu or cuda")
         if self.int4_activations not in INT4_ACTIVATIONS:
             out.append(f"int4_activations={self.int4_activations!r}; use one of {', '.join(INT4_ACTIVATIONS)}")
+        if self.head_quant not in HEAD_QUANTS:
+            out.append(f"head_quant={self.head_quant!r}; use one of {', '.join(HEAD_QUANTS)}")
+        elif self.head_quant == "int8" and self.device != "cpu":
+            out.append(f"head_quant='int8' runs on the CPU only (device={self.device!r}); use head_quant='none'")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")

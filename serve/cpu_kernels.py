@@ -110,6 +110,11 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = to
     return load().gemv_bf16(x, weight, out_dtype)
 
 
+def gemv_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ (q * scales[:, None]).T for an int8 weight [N, K] with one scale per row."""
+    return load().gemv_int8(x, q, scales, out_dtype)
+
+
 def gemv_int4(
     x: torch.Tensor, packed: "Int4Packed", out_dtype: torch.dtype = torch.bfloat16, int8_activations: bool = False
 ) -> torch.Tensor:

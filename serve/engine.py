@@ -86,7 +86,9 @@ class LLM:
         self.tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         self._device = args.device
         self._backend = get_backend(args.device, prefer=args.attention_backend)
-        target = LlamaModel.load(model_dir, torch_dtype, self._backend, args.device, args.int4_activations)
+        target = LlamaModel.load(
+            model_dir, torch_dtype, self._backend, args.device, args.int4_activations, args.head_quant
+        )
         draft = self._load_draft(draft_dir, torch_dtype) if draft_dir is not None else None
         if draft is not None:
             draft.bind_kv_layout(target.kv_layout)  # the draft's layers share the target's block tables
@@ -142,7 +144,7 @@ class LLM:
                 f"draft {draft_dir} has vocab_size {draft_cfg.vocab_size}, the target {self.config.vocab_size}: first "
                 f"differing id {first}; the draft must use the target's exact vocabulary"
             )
-        draft = LlamaModel.load(draft_dir, dtype, self._backend, self._device)
+        draft = LlamaModel.load(draft_dir, dtype, self._backend, self._device, head_quant=self.args.head_quant)
         vocab_file = Path(draft_dir) / DRAFT_VOCAB_FILE
         if vocab_file.is_file() and self._draft_vocab_size != 0:
             ids = read_draft_vocab(vocab_file)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from serve.attention import AttentionBackend, SeqChunk, get_backend
 from serve.config import ModelConfig
+from serve.head_quant import HEAD_QUANTS, Int8Linear
 from serve.kv_cache import KVCache
 from serve.kv_layout import KVLayout, bind_to, layout_for
 from serve.layers import LayerWeights, Norm, activation, apply_rope, load_layer, rms_norm
@@ -60,14 +61,18 @@ class DecoderModel:
         backend: AttentionBackend | None = None,
         device: torch.device | str = "cpu",
         int4_activations: str = "int8",
+        head_quant: str = "none",
     ) -> None:
         """`int4_activations` (int4 checkpoints on CPU): "int8" quantizes each decode row's
         activations per 32 features for integer dot products (2x faster on AVX2, about 1% error
-        per layer, as llama.cpp's Q4 x Q8); "float" keeps them in float32."""
+        per layer, as llama.cpp's Q4 x Q8); "float" keeps them in float32. `head_quant`: "int8"
+        rounds the LM head to int8 per row (`serve.head_quant`); "none" keeps the checkpoint's."""
         if int4_activations not in INT4_ACTIVATIONS:
             raise ValueError(f"int4_activations={int4_activations!r}; use one of {INT4_ACTIVATIONS}")
+        if head_quant not in HEAD_QUANTS:
+            raise ValueError(f"head_quant={head_quant!r}; use one of {HEAD_QUANTS}")
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self.int4_activations = int4_activations
+        self.int4_activations, self.head_quant = int4_activations, head_quant
         self.backend = backend or get_backend(self.device)
         if self.device.type != "cpu":
             state = {k: v.to(self.device) for k, v in state.items()}
@@ -80,7 +85,7 @@ class DecoderModel:
         if head is None and not config.tie_word_embeddings:
             raise KeyError("checkpoint lacks lm_head.weight and config.json does not tie word embeddings")
         self.lm_head = self.embed if head is None else head.to(dtype)
-        self.head = DenseLinear(self.lm_head)  # prepacked on CPU bf16: the head is the largest matmul
+        self.head = self._make_head()
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: vocabulary id of each logit column
         self.layers = [
             load_layer(state, i, config, dtype, self.device, int4_activations) for i in range(config.num_layers)
@@ -102,10 +107,16 @@ class DecoderModel:
         backend: AttentionBackend | None = None,
         device: torch.device | str = "cpu",
         int4_activations: str = "int8",
+        head_quant: str = "none",
     ) -> "DecoderModel":
         """Read config.json and the safetensors checkpoint of `model_dir` (weights onto `device`)."""
         config = ModelConfig.from_dir(model_dir)
-        return cls(config, load_state_dict(model_dir), resolve_dtype(dtype), backend, device, int4_activations)
+        state = load_state_dict(model_dir)
+        return cls(config, state, resolve_dtype(dtype), backend, device, int4_activations, head_quant)
+
+    def _make_head(self) -> DenseLinear | Int8Linear:
+        """The vocabulary projection of `lm_head` (prepacked on CPU bf16: the largest matmul)."""
+        return Int8Linear(self.lm_head) if self.head_quant == "int8" else DenseLinear(self.lm_head)
 
     def restrict_head(self, token_ids: list[int]) -> None:
         """Compute logits only for `token_ids` (a draft's frequent tokens).
@@ -121,7 +132,7 @@ class DecoderModel:
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != ids.numel():
             raise ValueError(f"draft vocabulary: token ids must be distinct and in [0, {vocab}), got {ids.numel()} ids")
         self.lm_head = self.lm_head.index_select(0, ids.to(self.lm_head.device))
-        self.head = DenseLinear(self.lm_head)
+        self.head = self._make_head()
         self.head_ids = ids
 
     def bind_kv_layout(self, target: KVLayout) -> None:

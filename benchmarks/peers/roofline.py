@@ -59,6 +59,15 @@ def checkpoint_decode_bytes(model_dir: Path, elem_bytes: int | None = None) -> i
     return total
 
 
+def head_bytes_saved_int8(model_dir: Path) -> int:
+    """Bytes a decode step stops reading when a 16-bit, untied LM head is served in int8 per row."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("tie_word_embeddings"):
+        return 0  # the embedding table is not counted as read (EMBED_KEYS), so neither is a tied head
+    vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
+    return vocab * hidden - 4 * vocab  # 2 -> 1 byte per weight, plus one float32 scale per row
+
+
 def kv_bytes_per_token(model_dir: Path, elem_bytes: int) -> int:
     """K and V bytes one context token holds across all layers."""
     cfg = json.loads((model_dir / "config.json").read_text())

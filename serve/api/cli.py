@@ -111,6 +111,13 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
         " or keep them float32 (default: %(default)s)",
     )
     p.add_argument(
+        "--head-quant",
+        default="none",
+        choices=["none", "int8"],
+        help="int8: round the LM head to int8 per row on CPU (half the bytes a decode step reads for it; outputs"
+        " may differ from the checkpoint's at near-ties); none: the checkpoint's head (default: %(default)s)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,

@@ -8,6 +8,7 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
                         int64_t group, at::ScalarType out_dtype);
 torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
                            int64_t group, at::ScalarType out_dtype);
+torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, at::ScalarType out_dtype);
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, double eps);
 int64_t parallel_threads();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -18,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation (AVX2)");
   m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations (AVX2)");
   m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features (AVX2)");
+  m.def("gemv_int8", &gemv_int8, "y = (x @ q.T) * scale for an int8 weight with one scale per output row (AVX2)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "transformers' RMSNorm on bf16 rows in one call");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
   m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache (AVX2)");

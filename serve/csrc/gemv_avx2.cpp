@@ -63,6 +63,23 @@ struct Bf16Rows {
   inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T0); }
 };
 
+// Four float32 vectors of 32 int8 weights of row `n`, from input feature k (the row's scale is
+// applied to the finished sum).
+struct Int8Rows {
+  const int8_t* q;
+  int64_t K;
+  inline void block(int64_t n, int64_t k, __m256 out[4]) const {
+    const int8_t* p = q + n * K + k;
+    for (int j = 0; j < 4; ++j)
+      out[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j))));
+  }
+  inline float scalar(int64_t n, int64_t k) const { return static_cast<float>(q[n * K + k]); }
+  // two blocks share a 64-byte cache line: one prefetch per line
+  inline void prefetch(int64_t n, int64_t k) const {
+    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * K + k), _MM_HINT_T0);
+  }
+};
+
 // Four float32 vectors of 32 dequantized int4 weights of row `n`, from input feature k.
 struct Int4Rows {
   const uint8_t* q;
@@ -419,6 +436,23 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
   const Int4Rows W{q.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), K, K / group, __builtin_ctzll(static_cast<unsigned long long>(group))};
   const auto dispatch = [&W](int rows, const float* xr, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
     dispatch_rows(rows, W, xr, K, N, n0, n1, y);
+  };
+  return run(dispatch, x, N, out_dtype);
+}
+
+// y = (x @ q.T) * scale[n]: an int8 weight with one float32 scale per output row.
+torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, at::ScalarType out_dtype) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(), "q must be a contiguous int8 [N, K] tensor");
+  const int64_t N = q.size(0);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == N,
+              "scales must be a contiguous float32 tensor of one value per output row");
+  check_x(x, q.size(1));
+  const Int8Rows W{q.data_ptr<int8_t>(), q.size(1)};
+  const float* s = scales.data_ptr<float>();
+  const auto dispatch = [&W, s](int rows, const float* xr, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+    dispatch_rows(rows, W, xr, K, N, n0, n1, y);
+    for (int r = 0; r < rows; ++r)
+      for (int64_t n = n0; n < n1; ++n) y[r * N + n] *= s[n];
   };
   return run(dispatch, x, N, out_dtype);
 }

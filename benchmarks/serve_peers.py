@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,6 +162,22 @@ def decode_rows(
     return rows, peers
 
 
+def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per engine: the median tok/s over rounds (all kept in `tok_s_rounds`).
+
+    Why: the host's memory bandwidth drifts by tens of percent within minutes; engines measured
+    one after another in a single round can see different machines. Rounds interleave them.
+    """
+    merged = [dict(row) for row in rounds[0]]
+    for i, row in enumerate(merged):
+        rates = [r[i]["tok_s"] for r in rounds if "tok_s" in r[i]]
+        if not rates:
+            continue
+        row["tok_s"], row["tok_s_rounds"] = statistics.median(rates), rates
+        row["of_bound"] = row["tok_s"] / row["bound_tok_s"]
+    return merged
+
+
 def vllm_decode_rows(
     model_dir: Path,
     int4_dir: Path | None,
@@ -202,7 +219,8 @@ def bench_model(
     small = sb.workload(8, (8, 64), (24, 24), vocab, seed=1)
     mixed_reqs = sb.workload(args.mixed_requests, (16, 512), (16, 256), vocab, seed=0) if mixed else []
     res: dict[str, Any] = {"model_dir": str(model_dir), "prompt_len": len(prompt), "new_tokens": args.new_tokens}
-    rows, res["peers"] = decode_rows(model_dir, int4_dir, prompt, args, bw)
+    rounds = [decode_rows(model_dir, int4_dir, prompt, args, bw) for _ in range(args.rounds)]
+    rows, res["peers"] = merge_rounds([r for r, _ in rounds]), rounds[0][1]
     decode_job = {"name": "decode", "requests": [[prompt, args.new_tokens]]}
     vres: dict[str, dict[str, Any]] = {}
     if "vllm" not in args.skip:
@@ -258,7 +276,11 @@ def print_report(results: dict[str, Any]) -> None:
         f"\nread bandwidth {results['bandwidth_gb_s']:.1f} GB/s at {results['threads']} threads; load {results['load']}"
     )
     for model, res in results["models"].items():
-        print(f"\n== {model}: batch-1 decode, prompt {res['prompt_len']}, {res['new_tokens']} new tokens")
+        rounds = results.get("rounds", 1)
+        print(
+            f"\n== {model}: batch-1 decode, prompt {res['prompt_len']}, {res['new_tokens']} new tokens"
+            + (f" (median of {rounds} interleaved rounds; vLLM one)" if rounds > 1 else "")
+        )
         print(f"{'bits':>4} {'engine':42} {'tok/s':>7} {'TTFT s':>7} {'MB/step':>8} {'bound':>7} {'of bound':>8}")
         for r in sorted(res["decode"], key=lambda r: (-r["bits"], -(r.get("tok_s") or 0))):
             if "error" in r:
@@ -317,12 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--hf-new-tokens", type=int, default=32, help="HF generate is the floor: fewer tokens")
     p.add_argument("--mixed-requests", type=int, default=64)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="batch-1 decode rounds of Warsha, llama.cpp and HF (median reported)"
+    )
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV budget given to Warsha and vLLM alike")
     p.add_argument("--skip", default="", help="peers to leave out: vllm,llamacpp,hf")
     p.add_argument("--vllm-int4", action="store_true", help="also try vLLM on the GPTQ checkpoint (one more engine)")
     p.add_argument("--peers-cache", type=Path, default=PEERS_CACHE, help="where the set-up scripts put the venvs")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "warsha-serve-bench")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - {"vllm", "llamacpp", "hf"}
     if unknown:
@@ -343,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = rl.read_bandwidth(args.threads)
     results: dict[str, Any] = {
         "threads": args.threads,
+        "rounds": args.rounds,
         "bandwidth_gb_s": bw / 1e9,
         "load": os.getloadavg(),
         "torch": torch.__version__,

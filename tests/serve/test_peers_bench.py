@@ -128,3 +128,19 @@ def test_warsha_vs_best_peer_ratio() -> None:
     ]
     assert sp.warsha_vs_best_peer(rows, 16) == (0.8, "vLLM fp32")  # HF is the floor, never the best peer
     assert sp.warsha_vs_best_peer(rows, 4) is None  # no Warsha 4-bit row
+
+
+def test_rounds_merge_to_the_median_and_keep_every_rate() -> None:
+    from serve_peers import merge_rounds
+
+    def rows(w: float, lc: float) -> list[dict]:
+        return [
+            {"engine": "warsha bf16", "tok_s": w, "bound_tok_s": 40.0},
+            {"engine": "llama.cpp F16", "tok_s": lc, "bound_tok_s": 40.0},
+            {"engine": "broken", "error": "x"},
+        ]
+
+    merged = merge_rounds([rows(30, 20), rows(10, 22), rows(20, 30)])
+    assert [r.get("tok_s") for r in merged] == [20, 22, None]
+    assert merged[0]["tok_s_rounds"] == [30, 10, 20] and merged[0]["of_bound"] == 0.5
+    assert merged[2] == {"engine": "broken", "error": "x"}

@@ -2,10 +2,10 @@
 
 Wraps the engine's parts with wall-clock timers (no change to serve/): per step the scheduler,
 the model forward, the sampler and the commit; inside the forward the fused linears (q|k|v, o,
-gate|up, down), attention, the KV write, RMSNorm, RoPE, the LM head and the metadata; what the
-timers do not cover is Python between the calls. The linears' time is also set against the bytes
-they read at the measured read bandwidth (a 1 GiB float32 sum), so each part shows how far it is
-from memory speed.
+gate|up, down), attention, the KV write, RMSNorm, RoPE (or the fused RoPE + KV write call), the
+LM head and the metadata; what the timers do not cover is Python between the calls. The linears'
+time is also set against the bytes they read at the measured read bandwidth (a 1 GiB float32
+sum), so each part shows how far it is from memory speed.
 
     PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --threads 2
     PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --int4   # GPTQ RTN g128, int8 act
@@ -70,6 +70,7 @@ def instrument(llm: LLM, t: Timers) -> None:
     model.rope.lookup = t.wrap("rope", model.rope.lookup)
     sm.rms_norm = t.wrap("rms norm", sm.rms_norm)
     sm.apply_rope = t.wrap("rope", sm.apply_rope)
+    sm.cpu_kernels.rope_write_kv = t.wrap("rope + kv write", sm.cpu_kernels.rope_write_kv)  # the fused CPU call
     model.forward = t.wrap("forward", model.forward)
     llm.scheduler.schedule = t.wrap("schedule", llm.scheduler.schedule)
     llm.sampler = t.wrap("sampler", llm.sampler)
@@ -122,7 +123,7 @@ def profile(model_dir: Path, args: argparse.Namespace, bw: float, **engine: Any)
     steps = t.calls["step"]
     per = {k: v / steps for k, v in t.seconds.items()}
     inner = ("linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention", "kv write")
-    inner += ("rms norm", "rope", "metadata")
+    inner += ("rms norm", "rope", "rope + kv write", "metadata")
     per["forward: python and small ops"] = per["forward"] - sum(per.get(k, 0.0) for k in inner)
     per["step: engine python"] = per["step"] - sum(
         per.get(k, 0.0) for k in ("forward", "schedule", "sampler", "commit")
@@ -137,7 +138,8 @@ def print_profile(name: str, r: dict[str, Any]) -> None:
     print(f"\n== {name}: {r['tok_per_s']:.2f} tok/s, {total * 1e3:.1f} ms/step over {r['steps']} steps")
     print(f"{'part':32} {'ms/step':>8} {'share':>6} {'MB read':>8} {'at BW ms':>8} {'of BW':>6}")
     order = ["linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention", "kv write"]
-    order += ["rms norm", "rope", "metadata", "forward: python and small ops", "sampler", "schedule", "commit"]
+    order += ["rms norm", "rope", "rope + kv write", "metadata", "forward: python and small ops"]
+    order += ["sampler", "schedule", "commit"]
     order += ["step: engine python"]
     for k in order:
         v = per.get(k, 0.0)

@@ -6,7 +6,8 @@ not by memory (see the C++ file's header for the measurements); these kernels wi
 block once and reuse it for up to 8 rows. They are compiled on first use with torch's C++
 extension builder (g++ and ninja; about a minute, cached under TORCH_EXTENSIONS_DIR) and used
 for up to `MAX_ROWS` rows: decode steps and speculative verification. `csrc/attention_avx2.cpp`
-attends short query chunks (the same steps) straight from the paged cache. Without a compiler, on a
+attends short query chunks (the same steps) straight from the paged cache; `csrc/rope_kv.cpp`
+rotates the new queries and keys and writes K/V into the cache in one call per layer. Without a compiler, on a
 CPU without AVX2+FMA, or with WARSHA_SERVE_CPU_KERNELS=0, the engine keeps torch's kernels and
 says so once in the log.
 """
@@ -27,13 +28,16 @@ import torch
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gemv_avx2.cpp", "attention_avx2.cpp", "bindings.cpp"))
+SOURCES = tuple(CSRC / name for name in ("gemv_avx2.cpp", "attention_avx2.cpp", "rope_kv.cpp", "bindings.cpp"))
+HEADERS = (CSRC / "bf16.h",)
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without the flag the kernels
 # silently run on one thread. The runtime loaded is torch's own libgomp (same soname).
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+# -ffp-contract=off: products and sums round as torch's separate ops do (RoPE must match torch
+# bit for bit); the kernels' FMAs are explicit intrinsics, which the flag leaves alone.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_SECONDS = 600.0
 
@@ -60,7 +64,7 @@ def load() -> ModuleType | None:
 
         # named by the hash of source and flags: checkouts of different versions never rebuild
         # each other's library (nor replace it under a running process); the same source builds once
-        text = b"".join(src.read_bytes() for src in SOURCES)
+        text = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
         digest = hashlib.sha256(text + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
         name = f"warsha_serve_gemv_avx2_{digest}"
         clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
@@ -155,6 +159,25 @@ class AttentionPlan:
     query_lens: torch.Tensor  # [B] int64
     block_size: int
     window: int | None
+
+
+def rope_write_kv(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE on qk rows [T, (H + Hkv) * D] and the keys and v rows [T, Hkv * D] written at `slots` of
+    one layer's cache [Hkv, slots, D]; returns (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]).
+
+    The same roundings as `serve.layers.apply_rope` plus `KVCache.write`, in one call.
+    """
+    q, k, v_rows = load().rope_write_kv(qk, v, cos, sin, slots, k_cache, v_cache, num_heads)
+    return q, k, v_rows
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

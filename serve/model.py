@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from serve import cpu_kernels
 from serve.attention import AttentionBackend, SeqChunk, get_backend
 from serve.config import ModelConfig
 from serve.head_quant import HEAD_QUANTS, Int8Linear
@@ -186,22 +187,20 @@ class DecoderModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         n_q, n_kv, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        fused = self._fused_rope_write(kv, write_kv)
         for i, layer in enumerate(self.layers):
             key = (self.kv_layout.layer_group[i], layer.window)
             meta, slot = metas[key], self.kv_layout.layer_slot[i]
             cos, sin = tables[1 if layer.window and 1 in tables else None]
             h = layer.input_norm(x)
             qk, v = layer.qkv(h).split([n_q + n_kv, n_kv], dim=-1)
-            qk = qk.reshape(-1, c.num_heads + c.num_kv_heads, d)
-            if layer.qk_norm is not None:
-                qk = layer.qk_norm(qk)  # per-head RMSNorm of q and k in one call, before RoPE
-            qk = apply_rope(qk, cos, sin)  # q and k in one pass
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            v = v.reshape(-1, c.num_kv_heads, d)
-            if write_kv is None:
-                kv.write(slot, self.backend.slot_mapping(meta), k, v)
-            else:  # a backend with its own cache-write kernel (Triton)
-                write_kv(kv.k[slot], kv.v[slot], meta, k, v)
+            if layer.qk_norm is not None:  # per-head RMSNorm of q and k in one call, before RoPE
+                qk = layer.qk_norm(qk.reshape(-1, c.num_heads + c.num_kv_heads, d))
+            if fused:  # RoPE and the cache write in one C++ call (serve/csrc/rope_kv.cpp)
+                slots = self.backend.slot_mapping(meta)
+                q, k, v = cpu_kernels.rope_write_kv(qk, v, cos, sin, slots, kv.k[slot], kv.v[slot], c.num_heads)
+            else:
+                q, k, v = self._rope_and_write(qk, v, cos, sin, kv, slot, meta, write_kv)
             o = layer.o(self.backend.forward(q, k, v, kv.k[slot], kv.v[slot], meta, self.scale).reshape(-1, n_q))
             x = x + (o if layer.attn_out_norm is None else layer.attn_out_norm(o))
             gate, up = layer.gate_up(layer.pre_mlp_norm(x)).chunk(2, dim=-1)
@@ -211,6 +210,39 @@ class DecoderModel:
         logits = self.head(x).float().cpu()  # sampling runs on the host
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _fused_rope_write(self, kv: KVCache, write_kv: object) -> bool:
+        """Whether this forward rotates and stores K/V with serve's C++ call (CPU, fp32/bf16,
+        the torch backend's cache); elsewhere `_rope_and_write` does it with torch ops."""
+        return (
+            self.device.type == "cpu"
+            and write_kv is None
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and kv.k.dtype == self.dtype
+            and cpu_kernels.available()
+        )
+
+    def _rope_and_write(
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        slot: int,
+        meta: object,
+        write_kv: object,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE on q and k and the new K/V into the cache with torch ops (any device and dtype)."""
+        c = self.config
+        qk = apply_rope(qk.reshape(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)  # q and k in one pass
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        if write_kv is None:
+            kv.write(slot, self.backend.slot_mapping(meta), k, v)
+        else:  # a backend with its own cache-write kernel (Triton)
+            write_kv(kv.k[slot], kv.v[slot], meta, k, v)
+        return q, k, v
 
     def prefill_logits(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
         """float32 logits [len(token_ids), V] of one sequence in a throwaway cache (tests, scoring)."""

@@ -24,7 +24,12 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
+
+using warsha::bf16_to_float;
+using warsha::float_to_bf16;
 
 constexpr int64_t kTile = 64;  // keys scored before their softmax update and value pass
 
@@ -33,20 +38,6 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-inline float widen1(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t narrow1(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // D consecutive values as float32 into `out` (bf16 widened, float32 copied).
@@ -68,7 +59,7 @@ inline void load_row<uint16_t>(const uint16_t* src, int64_t D, float* out) {
 
 inline void store_row(const float* src, int64_t D, float* dst) { std::memcpy(dst, src, sizeof(float) * D); }
 inline void store_row(const float* src, int64_t D, uint16_t* dst) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = narrow1(src[d]);
+  for (int64_t d = 0; d < D; ++d) dst[d] = float_to_bf16(src[d]);
 }
 
 // exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), 2^n

@@ -25,7 +25,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
+
+using warsha::bf16_to_float;
+using warsha::float_to_bf16;
 
 constexpr int64_t kBlock = 32;   // weights handled per inner iteration (4 AVX2 vectors)
 constexpr int kMaxRows = 8;       // activation rows per pass over the weights
@@ -41,13 +46,6 @@ inline float hsum(__m256 v) {
 inline __m256 widen_bf16(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
 }
 
 // Four float32 vectors of 32 consecutive bf16 weights of row `n`, from input feature k.
@@ -170,13 +168,6 @@ void dispatch_rows(int rows, const Weights& W, const float* x, int64_t K, int64_
     case 7: return rows_kernel<7, 1>(W, x, K, N, n0, n1, y);
     default: return rows_kernel<8, 1>(W, x, K, N, n0, n1, y);
   }
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // The activations as float32 without a torch op (bf16 widened here): per-op dispatch costs more

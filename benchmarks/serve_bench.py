@@ -61,6 +61,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from warsha.cli import quiet_environment  # noqa: E402
+
+quiet_environment()  # offline, and none of the libraries' every-run warnings (as the `warsha` CLI)
+
 import torch  # noqa: E402
 
 from serve import LLM, SamplingParams, cpu_kernels  # noqa: E402

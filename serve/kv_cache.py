@@ -30,6 +30,9 @@ class KVCache:
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # one view per layer, made once: indexing k[layer] on every layer of every step costs a
+        # tensor construction each time (measurable in a decode step of a small model)
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -191,6 +191,7 @@ class DecoderModel:
         for i, layer in enumerate(self.layers):
             key = (self.kv_layout.layer_group[i], layer.window)
             meta, slot = metas[key], self.kv_layout.layer_slot[i]
+            k_cache, v_cache = kv.layers[slot]
             cos, sin = tables[1 if layer.window and 1 in tables else None]
             h = layer.input_norm(x)
             qk, v = layer.qkv(h).split([n_q + n_kv, n_kv], dim=-1)
@@ -198,10 +199,10 @@ class DecoderModel:
                 qk = layer.qk_norm(qk.reshape(-1, c.num_heads + c.num_kv_heads, d))
             if fused:  # RoPE and the cache write in one C++ call (serve/csrc/rope_kv.cpp)
                 slots = self.backend.slot_mapping(meta)
-                q, k, v = cpu_kernels.rope_write_kv(qk, v, cos, sin, slots, kv.k[slot], kv.v[slot], c.num_heads)
+                q, k, v = cpu_kernels.rope_write_kv(qk, v, cos, sin, slots, k_cache, v_cache, c.num_heads)
             else:
                 q, k, v = self._rope_and_write(qk, v, cos, sin, kv, slot, meta, write_kv)
-            o = layer.o(self.backend.forward(q, k, v, kv.k[slot], kv.v[slot], meta, self.scale).reshape(-1, n_q))
+            o = layer.o(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale).reshape(-1, n_q))
             x = x + (o if layer.attn_out_norm is None else layer.attn_out_norm(o))
             gate, up = layer.gate_up(layer.pre_mlp_norm(x)).chunk(2, dim=-1)
             m = layer.down(self.act(gate) * up)

@@ -170,8 +170,8 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Apply to x [..., K] of any float dtype; returns x's dtype."""
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        flat = x.dim() == 2  # decode rows arrive flat: no reshape round trip (two ops per call)
+        x2 = x if flat else x.reshape(-1, self.in_features)
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)
         if self.avx2 is not None:
@@ -182,7 +182,7 @@ class Int4Linear:
             ).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
 
 def _mkldnn_pack(weight: torch.Tensor, allow_float32: bool = False, batch_hint: int = 1) -> torch.Tensor | None:
@@ -257,12 +257,12 @@ class DenseLinear:
 
     def _kernel(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """serve's AVX2 kernel; the bias joins in float32 before the single bf16 rounding."""
-        x2 = x.reshape(rows, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
         if self.bias32 is None:
             y = cpu_kernels.gemv_bf16(x2, self.weight, torch.bfloat16)
         else:
             y = (cpu_kernels.gemv_bf16(x2, self.weight, torch.float32) + self.bias32).to(torch.bfloat16)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _upcast(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The float32 copy of the weight: oneDNN-prepacked for small batches, MKL above."""

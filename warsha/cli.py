@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for a bad recipe or input)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the serve package owns its flags; it must not depend on warsha
-        _quiet_environment()
+        quiet_environment()
         from serve.api.cli import main as serve_main
 
         return serve_main(argv[1:], prog="warsha serve")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.verbose:  # accelerate logs four INFO lines per checkpoint; warsha.training logs one
         logging.getLogger("accelerate").setLevel(logging.WARNING)
-    _quiet_environment()
+    quiet_environment()
     from warsha.artifacts import ArtifactError
     from warsha.config import RecipeError
 
@@ -116,7 +116,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _quiet_environment() -> None:
+def quiet_environment() -> None:
     """Offline by default (no code in Warsha may fetch weights or data from a hub), and no
     library progress bars when stderr is a file: their carriage-return redraws are unreadable
     there, and Warsha's own progress (``warsha.progress``) already reports the long work."""

@@ -253,7 +253,10 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     TORCH_CHECK((c[b] + block_size - 1) / block_size <= tables.size(1), "sequence ", b, ": block table shorter than its context");
   }
   const Plan plan{tables.data_ptr<int64_t>(), tables.size(1), c, s, l, block_size, window, H, Hkv, D, static_cast<float>(scale)};
-  torch::Tensor out = torch::zeros_like(q);
+  int64_t covered = 0;
+  for (int64_t b = 0; b < B; ++b) covered += l[b];
+  // rows of other chunks (a prefill beside the decodes) stay zero until the caller fills them
+  torch::Tensor out = covered == q.size(0) ? torch::empty_like(q) : torch::zeros_like(q);
   if (q.scalar_type() == torch::kFloat32)
     run_all<float>(plan, q, k_cache, v_cache, out, B);
   else

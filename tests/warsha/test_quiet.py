@@ -42,7 +42,7 @@ def test_too_long_notice_is_dropped_and_nothing_else() -> None:
         _tiny_tokenizer(4)("a b " * 10)
         assert any(m.startswith("Token indices sequence length") for m in records.messages)  # it exists unfiltered
         records.messages.clear()
-        cli._quiet_environment()
+        cli.quiet_environment()
         _tiny_tokenizer(4)("a b " * 10)
         assert records.messages == []
         other = logging.LogRecord("transformers", logging.WARNING, __file__, 1, "something else", None, None)
@@ -55,6 +55,6 @@ def test_too_long_notice_is_dropped_and_nothing_else() -> None:
 
 def test_deepspeed_is_told_the_device_where_no_gpu_driver_exists(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    cli._quiet_environment()
+    cli.quiet_environment()
     no_driver = not any(os.path.exists(d) for d in ("/dev/nvidiactl", "/dev/kfd"))
     assert (os.environ.get("DS_ACCELERATOR") == "cpu") == no_driver

@@ -49,6 +49,7 @@ from context_ext import longdata, passkey, suite  # noqa: E402  (after set_num_t
 from context_ext.stages import YarnParams  # noqa: E402  (after set_num_threads)
 from context_ext.yarn_stage import resolve  # noqa: E402  (after set_num_threads)
 from warsha.data import DataConfig, load_corpus  # noqa: E402  (after set_num_threads)
+from warsha.lm_loss import weighted_lm_loss  # noqa: E402  (after set_num_threads)
 
 p = YarnParams(method=a.method, factor=a.factor, target_length=a.target or None, baselines=[], finetune_baselines=[])
 base_cfg = json.loads((Path(a.model) / "config.json").read_text())
@@ -102,7 +103,7 @@ for step in range(a.steps):
     for g in opt.param_groups:
         g["lr"] = lr
     batch = b(step, 0, 0)
-    loss = longdata.weighted_lm_loss(model, batch)
+    loss = weighted_lm_loss(model, batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

@@ -233,8 +233,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from context_ext.longdata import heldout_texts, train_texts
     from warsha.data import DataConfig, load_corpus
+    from warsha.lm_loss import weighted_lm_loss
     from warsha.progress import progress
-    from warsha.training import weighted_lm_loss
 
     if args.threads:
         torch.set_num_threads(args.threads)

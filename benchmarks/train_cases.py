@@ -106,7 +106,7 @@ def yarn(args: argparse.Namespace) -> Case:
     from transformers import LlamaConfig
 
     from context_ext import scaling
-    from warsha.training import weighted_lm_loss
+    from warsha.lm_loss import weighted_lm_loss
 
     cfg = scaling.scaled_config(_llama_config(EXTENDED_VOCAB).to_dict(), "yarn", 4.0)
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k != scaling.RECORD_KEY})

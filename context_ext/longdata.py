@@ -216,7 +216,3 @@ def make_batches(
         curriculum,
         lm_positions,
     )
-
-
-# The fine-tune's loss is the core's weighted causal-LM loss (kept under this name for callers).
-from warsha.training import weighted_lm_loss  # noqa: E402,F401

@@ -119,6 +119,7 @@ def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batc
     """Fine-tune ``method``'s scaled model; reuse the finished weights of an earlier run."""
     import torch
 
+    from warsha.lm_loss import weighted_lm_loss
     from warsha.training import Trainer, TrainParams
 
     done = ctx.checkpoint_dir / f"final-{method}"
@@ -137,7 +138,7 @@ def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batc
         bf16=p.bf16,
     )
     torch.manual_seed(ctx.seed)
-    trainer = Trainer(model, tp, ctx, batches, loss_fn=longdata.weighted_lm_loss, name=f"finetune-{method}")
+    trainer = Trainer(model, tp, ctx, batches, loss_fn=weighted_lm_loss, name=f"finetune-{method}")
     t0 = time.perf_counter()
     result = trainer.run()
     summary = {

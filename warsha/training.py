@@ -192,42 +192,11 @@ def check_ranks_in_sync(acc: Any, model: Any, name: str) -> bool:
 
 
 def causal_lm_loss(model: Any, batch: Batch) -> "torch.Tensor":
-    """The next-token loss (labels are the inputs; the model shifts them); weighted per target
-    when the batch carries ``loss_weights`` (see ``weighted_lm_loss``)."""
-    if "loss_weights" in batch:
-        return weighted_lm_loss(model, batch)
-    return model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
+    """The next-token loss of ``warsha.lm_loss`` (head and cross-entropy fused), imported on first
+    use so that reading a recipe's training parameters does not import torch."""
+    from warsha import lm_loss
 
-
-def weighted_lm_loss(model: Any, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-    """Next-token loss with per-target weights (``loss_weights[t]`` weighs predicting token t).
-
-    With every weight 1 this is the plain causal-LM loss. Weights above 1 (a passkey's answer)
-    give the few tokens that carry a rare signal a voice; weight 0 drops a target (the first
-    copy of a repeated span, which nothing predicts). The LM head runs only on targets with a
-    non-zero weight: with a 48k vocabulary it is four fifths of the tiny model's FLOPs, so
-    scoring only the copy targets and the answer makes such a row several times cheaper.
-    """
-    import torch.nn.functional as F
-
-    ids = batch["input_ids"]
-    weights = batch["loss_weights"][:, 1:].to(ids.device)
-    # A DDP-wrapped model (``.module``) must be called as a whole, or its gradients never sync.
-    wrapped = hasattr(model, "module")
-    head = None if wrapped else model.get_output_embeddings()
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") and not wrapped else None
-    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    if head is None or decoder is None or softcap:
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
-        w = weights.reshape(-1).to(nll.dtype)
-        return (nll * w).sum() / w.sum()
-    hidden = decoder(input_ids=ids).last_hidden_state[:, :-1]
-    keep = weights > 0
-    logits = head(hidden[keep]).float()
-    nll = F.cross_entropy(logits, ids[:, 1:][keep], reduction="none")
-    w = weights[keep].to(nll.dtype)
-    return (nll * w).sum() / w.sum()
+    return lm_loss.causal_lm_loss(model, batch)
 
 
 def _keeps_train_mode(module: Any) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from context_ext import longdata, passkey
 from warsha import synthetic
+from warsha.lm_loss import weighted_lm_loss
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +143,9 @@ def test_weighted_loss_with_unit_weights_is_the_causal_lm_loss(tok_and_model: tu
     ids = torch.randint(0, 1000, (2, 40))
     batch = {"input_ids": ids, "loss_weights": torch.ones(2, 40)}
     ref = model(input_ids=ids, labels=ids).loss
-    torch.testing.assert_close(longdata.weighted_lm_loss(model, batch), ref)
+    torch.testing.assert_close(weighted_lm_loss(model, batch), ref)
     batch["loss_weights"][:, -5:] = 4.0
-    assert not torch.allclose(longdata.weighted_lm_loss(model, batch), ref)
+    assert not torch.allclose(weighted_lm_loss(model, batch), ref)
 
 
 def test_long_documents_reach_the_length(tok_and_model: tuple[Any, Any], corpus: Any) -> None:
@@ -208,7 +209,7 @@ def test_weighted_loss_on_selected_targets_matches_full_logits(tok_and_model: tu
     )
     w = weights[:, 1:].reshape(-1).double()
     ref = (nll * w).sum() / w.sum()
-    got = longdata.weighted_lm_loss(model, {"input_ids": ids, "loss_weights": weights})
+    got = weighted_lm_loss(model, {"input_ids": ids, "loss_weights": weights})
     assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
 
 

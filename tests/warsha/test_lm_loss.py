@@ -1,0 +1,118 @@
+"""The fused LM head + cross-entropy against float64 torch and transformers' own loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from warsha import lm_loss
+from warsha.lm_loss import causal_lm_loss, linear_cross_entropy, weighted_lm_loss
+
+
+def _reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    nll = F.cross_entropy(h @ w.t(), t, reduction="none")
+    return (nll * wt).sum() / wt.sum()
+
+
+def _inputs(n: int, hidden: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    t = torch.randint(0, vocab, (n,), generator=g)
+    wt = torch.rand(n, generator=g) * 3  # weights above 1 (a passkey's answer) and near 0
+    wt[::5] = 0.0
+    return h, w, t, wt
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 7 * 50, 50])  # one chunk; uneven chunks; a row each
+def test_loss_and_gradients_match_float64(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+    monkeypatch.setattr(lm_loss, "CHUNK_ELEMENTS", chunk_elements)
+    h, w, t, wt = _inputs(23, 16, 50)
+    h32, w32 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    got = linear_cross_entropy(h32, w32, t, wt)
+    ref = _reference(h64, w64, t, wt.double())
+    (got * 2.5).backward()  # a non-unit upstream gradient reaches both inputs
+    (ref * 2.5).backward()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=1e-5, atol=1e-7)
+    assert h32.grad[::5].abs().sum() == 0  # weight-0 rows get no gradient
+
+
+def test_frozen_head_and_no_grad() -> None:
+    h, w, t, wt = _inputs(9, 8, 30, seed=1)
+    hg = h.clone().requires_grad_()
+    linear_cross_entropy(hg, w, t, wt).backward()  # a frozen head: only the hidden states learn
+    ref = h.double().requires_grad_()
+    _reference(ref, w.double(), t, wt.double()).backward()
+    torch.testing.assert_close(hg.grad.double(), ref.grad, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation: the loss alone
+        got = linear_cross_entropy(h, w, t, wt)
+    torch.testing.assert_close(got.double(), _reference(h.double(), w.double(), t, wt.double()), rtol=1e-6, atol=0)
+
+
+def test_bf16_inputs_keep_their_dtypes() -> None:
+    h, w, t, wt = _inputs(12, 16, 40, seed=2)
+    hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    got = linear_cross_entropy(hb, wb, t, wt)
+    got.backward()
+    assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+    ref = _reference(hb.detach().double(), wb.detach().double(), t, wt.double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-3, atol=1e-3)
+
+
+def _tiny_llama(tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).float()
+
+
+def _grads(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_causal_lm_loss_equals_transformers(tie: bool) -> None:
+    model = _tiny_llama(tie)
+    ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :7] = -100  # a prompt that is not scored
+    ours = causal_lm_loss(model, {"input_ids": ids, "labels": labels})
+    ours.backward()
+    g_ours = _grads(model)
+    model.zero_grad()
+    ref = model(input_ids=ids, labels=labels).loss
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    g_ref = _grads(model)
+    assert g_ours.keys() == g_ref.keys()
+    for name in g_ref:
+        torch.testing.assert_close(g_ours[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_weighted_loss_equals_unfused_path() -> None:
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 97, (2, 24), generator=g)
+    weights = (torch.rand(2, 24, generator=g) < 0.5).float() * 2
+    logits = model(input_ids=ids).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, 97), ids[:, 1:].reshape(-1), reduction="none")
+    w = weights[:, 1:].reshape(-1)
+    ref = (nll * w).sum() / w.sum()
+    torch.testing.assert_close(weighted_lm_loss(model, {"input_ids": ids, "loss_weights": weights}), ref)
+
+
+def test_wrapped_or_transformed_heads_take_the_model_forward() -> None:
+    model = _tiny_llama()
+    assert lm_loss.plain_head(model) is not None
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # a data-parallel wrapper: its forward must run to sync gradients
+    assert lm_loss.plain_head(wrapper) is None
+    model.config.final_logit_softcapping = 30.0
+    assert lm_loss.plain_head(model) is None

@@ -1,0 +1,144 @@
+"""Next-token losses of the training stages, with the LM head and cross-entropy fused.
+
+Why fused: in the models these recipes adapt, the vocabulary projection is most of a training
+step (a 48k-row head on a hidden-256 model is four fifths of its FLOPs), and the unfused path
+makes many passes over the ``[tokens, vocab]`` float32 logits besides its three GEMMs:
+log-softmax forward, a zero-filled gradient and its scatter, log-softmax backward (which
+recomputes the exponentials). ``linear_cross_entropy`` computes the gradient of the loss with
+respect to the logits while they are still in hand (softmax minus one-hot, one exponential per
+logit), turns it into the hidden-state and weight gradients with two GEMMs, and never keeps the
+logits: the backward only scales the saved gradients. Rows are processed in chunks, so peak
+memory is bounded by ``CHUNK_ELEMENTS`` logits whatever the batch, as in Liger-Kernel's fused
+linear cross-entropy.
+
+The fused path needs the head as a plain weight: models wrapped for data parallelism
+(DDP, DeepSpeed, FSDP expose ``.module``), heads wrapped by peft, biased heads, and families
+that transform logits after the head (softcapping, logit scales) take the model's own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ELEMENTS = 1 << 26  # logits per chunk: 256 MB in float32
+IGNORE_INDEX = -100  # label value that scores nothing (transformers' convention)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``sum_i weights[i] * CE(hidden[i] @ weight.T, targets[i]) / sum(weights)``, fused.
+
+    ``hidden`` [N, H], ``weight`` [V, H] (an ``nn.Linear`` weight without bias), ``targets`` [N]
+    int64, ``weights`` [N] (0 drops a row). Logits are formed in float32; gradients come back
+    in the inputs' dtypes.
+    """
+    return _LinearCrossEntropy.apply(hidden, weight, targets, weights)
+
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and, when asked for, both gradients; backward scales them."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, weights: Any) -> Any:  # noqa: D102
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        scale = weights.float() / weights.float().sum()
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        step = _chunk_rows(weight.shape[0])
+        for s in range(0, hidden.shape[0], step):
+            e = min(s + step, hidden.shape[0])
+            h, t, w = hidden[s:e], targets[s:e, None], scale[s:e]
+            probs, nll = _chunk_loss(torch.mm(h, weight.t()).float(), t)
+            loss += (nll * w).sum()
+            if grad_h is None and grad_w is None:
+                continue
+            probs.mul_(w[:, None]).scatter_add_(1, t, -w[:, None])  # d loss / d logits
+            if grad_h is not None:
+                grad_h[s:e] = torch.mm(probs.to(weight.dtype), weight)
+            if grad_w is not None:
+                grad_w.addmm_(probs.t(), h.float())
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:  # noqa: D102
+        grad_h, grad_w = ctx.saved_tensors
+        return (
+            None if grad_h is None else grad_h * grad.to(grad_h.dtype),
+            None if grad_w is None else grad_w * grad.to(grad_w.dtype),
+            None,
+            None,
+        )
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (in place over ``logits``) and the per-row negative log-likelihood."""
+    target_logit = logits.gather(1, targets).squeeze(1)
+    peak = logits.amax(-1)
+    probs = logits.sub_(peak[:, None]).exp_()
+    total = probs.sum(-1)
+    probs.div_(total[:, None])
+    return probs, peak + total.log() - target_logit
+
+
+def plain_head(model: Any) -> tuple[Any, Any] | None:
+    """(decoder, head) when the fused loss may bypass the model's forward, else None."""
+    if hasattr(model, "module") or not hasattr(model, "get_decoder"):
+        return None  # a data-parallel wrapper must be called as a whole, or gradients never sync
+    head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head.weight, "ds_id"):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+        return None
+    return model.get_decoder(), head
+
+
+def causal_lm_loss(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """The next-token loss (labels are the inputs unless the batch has ``labels``; -100 scores
+    nothing); weighted per target when the batch carries ``loss_weights`` (see ``weighted_lm_loss``)."""
+    if "loss_weights" in batch:
+        return weighted_lm_loss(model, batch)
+    ids = batch["input_ids"]
+    labels = batch.get("labels", ids)
+    parts = plain_head(model)
+    if parts is None:
+        return model(input_ids=ids, labels=labels).loss
+    decoder, head = parts
+    hidden = decoder(input_ids=ids).last_hidden_state[:, :-1]
+    targets = labels[:, 1:].to(hidden.device)
+    keep = targets != IGNORE_INDEX
+    return linear_cross_entropy(hidden[keep], head.weight, targets[keep], keep[keep].float())
+
+
+def weighted_lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token loss with per-target weights (``loss_weights[t]`` weighs predicting token t).
+
+    With every weight 1 this is the plain causal-LM loss. Weights above 1 (a passkey's answer)
+    give the few tokens that carry a rare signal a voice; weight 0 drops a target (the first
+    copy of a repeated span, which nothing predicts). The LM head runs only on targets with a
+    non-zero weight: with a 48k vocabulary it is four fifths of the tiny model's FLOPs, so
+    scoring only the copy targets and the answer makes such a row several times cheaper.
+    """
+    ids = batch["input_ids"]
+    weights = batch["loss_weights"][:, 1:].to(ids.device)
+    parts = plain_head(model)
+    if parts is None:
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        w = weights.reshape(-1).to(nll.dtype)
+        return (nll * w).sum() / w.sum()
+    decoder, head = parts
+    hidden = decoder(input_ids=ids).last_hidden_state[:, :-1]
+    keep = weights > 0
+    return linear_cross_entropy(hidden[keep], head.weight, ids[:, 1:][keep], weights[keep])

@@ -191,10 +191,11 @@ def _mkldnn_pack(weight: torch.Tensor, allow_float32: bool = False, batch_hint: 
     Why: a plain bf16 `F.linear` on CPU reorders the weight into oneDNN's blocked layout on every
     call. For small batches that copy costs more than the matmul (an LM head took about twice as
     long per decode step as prepacked), with bit-identical results (the same
-    oneDNN kernel runs, only the reorder is hoisted to load time). fp32 keeps the MKL path so
-    that fp32 outputs stay exactly what transformers computes. `allow_float32` packs a float32
-    weight too: the upcast path of bf16 models (`DenseLinear`), where only bf16 rounding matters
-    and oneDNN's small-batch kernel beats MKL's 1.5-3x for 2-128 rows (a verification chunk).
+    oneDNN kernel runs, only the reorder is hoisted to load time). `allow_float32` packs a
+    float32 weight too: float32 models and the upcast path of bf16 ones (`DenseLinear`), where
+    oneDNN's small-batch kernel beats MKL's 1.5-3x for 2-128 rows (decode batches, verification
+    chunks). Float32 results then differ from MKL's (transformers') in summation order only;
+    vLLM's CPU backend packs its float32 weights for oneDNN the same way.
     """
     dtypes = (torch.bfloat16, torch.float32) if allow_float32 else (torch.bfloat16,)
     if weight.dtype not in dtypes or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -218,7 +219,8 @@ class DenseLinear:
     on the bf16 weight itself (widened in registers, float32 accumulation, one bf16 rounding);
     larger batches use a float32 copy of the weight (oneDNN-prepacked up to PACKED_MAX_ROWS
     rows, MKL above), computed the same way. The copy costs 2x the bf16 weight's memory and makes
-    prefill 2-9x faster there. `upcast=None` decides by the hardware and `use_kernels=None` by
+    prefill 2-9x faster there. A float32 weight is oneDNN-prepacked for batches of up to
+    PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend does. `upcast=None` decides by the hardware and `use_kernels=None` by
     whether the kernels built; True/False force them (tests).
     """
 
@@ -233,6 +235,8 @@ class DenseLinear:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.packed = _mkldnn_pack(self.weight)
+        is_f32 = weight.dtype == torch.float32
+        self.packed_f32 = _mkldnn_pack(self.weight, allow_float32=True, batch_hint=5) if is_f32 else None
         if upcast is None:
             upcast = upcast_bf16_default(weight.dtype, weight.device)
         upcast = upcast and weight.dtype == torch.bfloat16
@@ -251,6 +255,10 @@ class DenseLinear:
                 return self._kernel(x, rows)
             if rows >= self.upcast_min_rows:
                 return self._upcast(x, rows)
+        if self.packed_f32 is not None and x.dtype == torch.float32 and 0 < rows <= PACKED_MAX_ROWS:
+            x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_f32, self.bias, "none", [], "")
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)

@@ -35,6 +35,23 @@ def test_dense_linear_bf16_equals_f_linear(rows: int, bias: bool) -> None:
     assert torch.equal(lin(x[None])[0], F.linear(x, w, b))  # 3-d input takes the plain path
 
 
+@pytest.mark.parametrize("rows", [0, 1, 3, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_float32_matches_float64(rows: int, bias: bool) -> None:
+    """float32 weights: oneDNN-prepacked up to PACKED_MAX_ROWS rows, MKL above; both are float32
+    accumulations of the exact product (summation order aside), in 2-d and 3-d shapes."""
+    torch.manual_seed(rows + 7)
+    w, x = torch.randn(300, 96), torch.randn(rows, 96)
+    b = torch.randn(300) if bias else None
+    lin = DenseLinear(w, b)
+    assert lin.packed_f32 is not None or not torch.backends.mkldnn.is_available()
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    bound = 96 * 2.0**-23 * (F.linear(x.double().abs(), w.double().abs()) + 1)
+    for got in (lin(x), lin(x[None])[0]):
+        assert got.dtype == torch.float32 and got.shape == (rows, 300)
+        assert bool(((got.double() - ref).abs() <= bound).all())
+
+
 def _bf16_spacing(ref: torch.Tensor) -> torch.Tensor:
     """Distance between adjacent bf16 values around `ref` (8 significant bits)."""
     return torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) - 7)

@@ -93,6 +93,21 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return hsum8(_mm256_add_ps(s0, s1));
 }
 
+// Scores of one query row against 8 consecutive float32 key rows (stride D): one accumulator
+// per key, then a single transposing reduction instead of eight horizontal sums.
+inline __m256 dot8(const float* q, const float* k, int64_t D) {
+  __m256 a[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * D + d), a[j]);
+  }
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 inline void axpy(float a, const float* x, float* y, int64_t D) {
   const __m256 av = _mm256_set1_ps(a);
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(y + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
@@ -133,10 +148,13 @@ struct Plan {
 };
 
 // Everything one (sequence, KV head) task needs as scratch: the group's queries, their running
-// max / sum / accumulator, a tile of scores and one widened K or V row.
+// max / sum / accumulator, a tile of scores, the tile's cache slots and its K (then V) rows
+// widened to float32.
 struct Scratch {
-  std::vector<float> q, acc, m, l, scores, row;
-  Scratch(int64_t rows, int64_t D) : q(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * kTile), row(D) {}
+  std::vector<float> q, acc, m, l, scores, tile;
+  std::vector<int64_t> slots;
+  Scratch(int64_t rows, int64_t D)
+      : q(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * kTile), tile(kTile * D), slots(kTile) {}
 };
 
 // One (sequence, KV head) task; kc, vc are this KV head's planes of the cache ([slots, D]).
@@ -157,15 +175,26 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
   const int64_t* table = p.tables + b * p.width;
   for (int64_t t0 = key_lo; t0 < ctx; t0 += kTile) {
     const int64_t n = std::min(kTile, ctx - t0);
+    // the tile's cache slots, walking block by block (no division per key)
+    for (int64_t j = 0, blk = t0 / p.block_size, off = t0 % p.block_size; j < n; ++j) {
+      s.slots[j] = table[blk] * p.block_size + off;
+      if (++off == p.block_size) off = 0, ++blk;
+    }
+    for (int64_t j = 0; j < n; ++j) load_row<T>(kc + s.slots[j] * D, D, s.tile.data() + j * D);
     // scores of every row against the tile's keys, -inf outside each row's causal window
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = t0 + j;
-      const int64_t slot = table[pos / p.block_size] * p.block_size + pos % p.block_size;
-      load_row<T>(kc + slot * D, D, s.row.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t qpos = first_pos + r / G;
-        const bool visible = pos <= qpos && (p.window <= 0 || pos > qpos - p.window);
-        s.scores[r * kTile + j] = visible ? dot(s.q.data() + r * D, s.row.data(), D) : -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = s.q.data() + r * D;
+      float* sr = s.scores.data() + r * kTile;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) _mm256_storeu_ps(sr + j, dot8(qr, s.tile.data() + j * D, D));
+      for (; j < n; ++j) sr[j] = dot(qr, s.tile.data() + j * D, D);
+      const int64_t qpos = first_pos + r / G;
+      const int64_t lo = p.window > 0 ? qpos - p.window + 1 : 0;
+      if (t0 + n - 1 > qpos || t0 < lo) {  // some keys of the tile are outside this row's window
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const int64_t pos = t0 + jj;
+          if (pos > qpos || pos < lo) sr[jj] = -std::numeric_limits<float>::infinity();
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -185,13 +214,12 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
       s.m[r] = m_new;
       s.l[r] += exp_shift_sum(sr, n, m_new);
     }
+    for (int64_t j = 0; j < n; ++j) load_row<T>(vc + s.slots[j] * D, D, s.tile.data() + j * D);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t pos = t0 + j;
-      const int64_t slot = table[pos / p.block_size] * p.block_size + pos % p.block_size;
-      load_row<T>(vc + slot * D, D, s.row.data());
+      const float* vr = s.tile.data() + j * D;
       for (int64_t r = 0; r < rows; ++r) {
         const float w = s.scores[r * kTile + j];
-        if (w != 0.f) axpy(w, s.row.data(), s.acc.data() + r * D, D);
+        if (w != 0.f) axpy(w, vr, s.acc.data() + r * D, D);
       }
     }
   }

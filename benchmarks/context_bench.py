@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -32,8 +31,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
-    os.environ.setdefault(_k, _v)
+from warsha.cli import quiet_environment  # noqa: E402
+
+quiet_environment()  # offline, and none of the libraries' every-run warnings (as the `warsha` CLI)
 
 
 def parse_args() -> argparse.Namespace:

@@ -196,6 +196,9 @@ def print_table(rows: dict[str, Any]) -> None:
 def main() -> None:
     """Parse the command line."""
     from warsha import runtime
+    from warsha.cli import quiet_environment
+
+    quiet_environment()
 
     runtime.apply(reexec=True)  # allocator and threads before the first tensor
     import torch

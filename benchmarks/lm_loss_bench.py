@@ -26,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from warsha import runtime  # noqa: E402
+from warsha.cli import quiet_environment  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("bootstrap", "yarn")
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--cases: unknown {sorted(bad)}; use {', '.join(CASES)}")
     if args.steps < 3:
         p.error(f"--steps must be at least 3 (one warm-up, then a median), got {args.steps}")
+    quiet_environment()
     runtime.apply(reexec=True)
     import torch
 

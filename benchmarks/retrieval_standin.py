@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import sys
@@ -52,8 +51,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
-    os.environ.setdefault(_k, _v)
+from warsha.cli import quiet_environment  # noqa: E402
+
+quiet_environment()  # offline, and none of the libraries' every-run warnings (as the `warsha` CLI)
 
 from context_ext import passkey  # noqa: E402
 from warsha import synthetic  # noqa: E402

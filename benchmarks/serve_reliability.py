@@ -33,10 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from warsha.cli import quiet_environment  # noqa: E402
+
+quiet_environment()  # offline (the server child inherits it), no every-run library warnings
 
 import httpx  # noqa: E402
 

@@ -233,6 +233,9 @@ def _print_allocators(out: dict[str, Any]) -> None:
 
 
 def main() -> None:
+    from warsha.cli import quiet_environment
+
+    quiet_environment()  # offline, and none of the libraries' every-run warnings (as the `warsha` CLI)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="measured steps per loop (after one warm-up step)")
     ap.add_argument("--cases", nargs="*", default=list(train_cases.CASES), choices=list(train_cases.CASES))

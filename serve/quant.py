@@ -220,8 +220,8 @@ class DenseLinear:
     larger batches use a float32 copy of the weight (oneDNN-prepacked up to PACKED_MAX_ROWS
     rows, MKL above), computed the same way. The copy costs 2x the bf16 weight's memory and makes
     prefill 2-9x faster there. A float32 weight is oneDNN-prepacked for batches of up to
-    PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend does. `upcast=None` decides by the hardware and `use_kernels=None` by
-    whether the kernels built; True/False force them (tests).
+    PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend does. `upcast=None` decides by the
+    hardware and `use_kernels=None` by whether the kernels built; True/False force them (tests).
     """
 
     def __init__(

@@ -114,6 +114,11 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = to
     return load().gemv_bf16(x, weight, out_dtype)
 
 
+def gemv_f32(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ weight.T for a contiguous float32 weight [N, K]."""
+    return load().gemv_f32(x, weight, out_dtype)
+
+
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] @ (q * scales[:, None]).T for an int8 weight [N, K] with one scale per row."""
     return load().gemv_int8(x, q, scales, out_dtype)

@@ -27,6 +27,7 @@ from serve.cpu import UPCAST_MIN_ROWS, upcast_bf16_default
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 PACKED_MAX_ROWS = 128  # float32 oneDNN-packed path of DenseLinear (measured: MKL is as fast above)
+F32_KERNEL_MAX_ROWS = 6  # float32 weights: serve's AVX2 kernel up to here (oneDNN wins from 8 rows)
 
 
 def unpack_qweight(qweight: torch.Tensor) -> torch.Tensor:
@@ -219,8 +220,10 @@ class DenseLinear:
     on the bf16 weight itself (widened in registers, float32 accumulation, one bf16 rounding);
     larger batches use a float32 copy of the weight (oneDNN-prepacked up to PACKED_MAX_ROWS
     rows, MKL above), computed the same way. The copy costs 2x the bf16 weight's memory and makes
-    prefill 2-9x faster there. A float32 weight is oneDNN-prepacked for batches of up to
-    PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend does. `upcast=None` decides by the
+    prefill 2-9x faster there. A float32 weight runs serve's AVX2 kernel for up to
+    F32_KERNEL_MAX_ROWS rows (oneDNN's fixed per-call cost exceeds a small layer's whole product
+    there) and is oneDNN-prepacked up to PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend
+    does. `upcast=None` decides by the
     hardware and `use_kernels=None` by whether the kernels built; True/False force them (tests).
     """
 
@@ -246,6 +249,8 @@ class DenseLinear:
         self.upcast_min_rows = UPCAST_MIN_ROWS
         use = cpu_kernels.available() if use_kernels is None else use_kernels
         self.kernel_max_rows = cpu_kernels.MAX_ROWS if upcast and use else 0
+        on_cpu = weight.device.type == "cpu"
+        self.f32_kernel_max_rows = F32_KERNEL_MAX_ROWS if is_f32 and on_cpu and use else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear in the weight's dtype (float32 compute or the prepacked weight where they apply)."""
@@ -255,6 +260,8 @@ class DenseLinear:
                 return self._kernel(x, rows)
             if rows >= self.upcast_min_rows:
                 return self._upcast(x, rows)
+        if x.dtype == torch.float32 and 0 < rows <= self.f32_kernel_max_rows:
+            return self._kernel_f32(x, rows)
         if self.packed_f32 is not None and x.dtype == torch.float32 and 0 < rows <= PACKED_MAX_ROWS:
             x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_f32, self.bias, "none", [], "")
@@ -270,6 +277,14 @@ class DenseLinear:
             y = cpu_kernels.gemv_bf16(x2, self.weight, torch.bfloat16)
         else:
             y = (cpu_kernels.gemv_bf16(x2, self.weight, torch.float32) + self.bias32).to(torch.bfloat16)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel_f32(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """serve's AVX2 kernel on the float32 weight in place (decode-sized batches)."""
+        x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
+        y = cpu_kernels.gemv_f32(x2, self.weight, torch.float32)
+        if self.bias is not None:
+            y = y + self.bias
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _upcast(self, x: torch.Tensor, rows: int) -> torch.Tensor:

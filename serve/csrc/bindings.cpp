@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype);
+torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype);
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
                         int64_t group, at::ScalarType out_dtype);
 torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
@@ -20,6 +21,7 @@ std::vector<torch::Tensor> rope_write_kv(const torch::Tensor& qk, const torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation (AVX2)");
+  m.def("gemv_f32", &gemv_f32, "y = x @ w.T for a float32 weight read in place (AVX2)");
   m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations (AVX2)");
   m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features (AVX2)");
   m.def("gemv_int8", &gemv_int8, "y = (x @ q.T) * scale for an int8 weight with one scale per output row (AVX2)");

@@ -61,6 +61,23 @@ struct Bf16Rows {
   inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T0); }
 };
 
+// Four float32 vectors of 32 consecutive float32 weights of row `n` (read as they are).
+struct F32Rows {
+  const float* w;
+  int64_t K;
+  inline void block(int64_t n, int64_t k, __m256 out[4]) const {
+    const float* p = w + n * K + k;
+    for (int j = 0; j < 4; ++j) out[j] = _mm256_loadu_ps(p + 8 * j);
+  }
+  inline float scalar(int64_t n, int64_t k) const { return w[n * K + k]; }
+  // a block is two 64-byte cache lines
+  inline void prefetch(int64_t n, int64_t k) const {
+    const char* p = reinterpret_cast<const char*>(w + n * K + k);
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+  }
+};
+
 // Four float32 vectors of 32 int8 weights of row `n`, from input feature k (the row's scale is
 // applied to the finished sum).
 struct Int8Rows {
@@ -413,6 +430,19 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::Scal
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w must be a contiguous bf16 [N, K] tensor");
   check_x(x, w.size(1));
   const Bf16Rows W{reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(1)};
+  const auto dispatch = [&W](int rows, const float* xr, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
+    dispatch_rows(rows, W, xr, K, N, n0, n1, y);
+  };
+  return run(dispatch, x, w.size(0), out_dtype);
+}
+
+// The float32 weight read in place: at one to a few rows oneDNN's prepacked kernel pays a fixed
+// cost per call that exceeds a small layer's whole product, and MKL's gemv streams below memory
+// speed on wide LM heads.
+torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "w must be a contiguous float32 [N, K] tensor");
+  check_x(x, w.size(1));
+  const F32Rows W{w.data_ptr<float>(), w.size(1)};
   const auto dispatch = [&W](int rows, const float* xr, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
     dispatch_rows(rows, W, xr, K, N, n0, n1, y);
   };

@@ -47,6 +47,22 @@ def test_bf16_kernel_is_float32_accumulation_of_bf16_values(rows: int, n: int, k
     assert torch.equal(cpu_kernels.gemv_bf16(x.float(), w, torch.float32), got32.float())  # float32 input, same values
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("n, k", [(300, 96), (77, 200), (64, 37)])
+def test_f32_kernel_is_float32_accumulation(rows: int, n: int, k: int) -> None:
+    """float32 weights read in place: the exact product within float32 accumulation error, in
+    float32 or rounded once to bf16."""
+    torch.manual_seed(rows * 100 + k)
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    ref = x.double() @ w.double().T
+    accumulation = k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    got = cpu_kernels.gemv_f32(x, w).double()
+    assert bool(((got - ref).abs() <= accumulation + 1e-30).all())
+    rounded = cpu_kernels.gemv_f32(x.bfloat16(), w, torch.bfloat16)
+    ref16 = x.bfloat16().double() @ w.double().T
+    assert bool(((rounded.double() - ref16).abs() <= _spacing(ref16) + accumulation).all())
+
+
 def _brute_pack(q: torch.Tensor) -> torch.Tensor:
     """q int [K, N] -> uint8 [N, K/2]: block b's byte j = q[32b+j] | q[32b+16+j] << 4, by loops."""
     k, n = q.shape
@@ -181,6 +197,8 @@ def test_bad_shapes_are_named_errors() -> None:
         cpu_kernels.gemv_int4(torch.randn(2, 64), packed)
     with pytest.raises(RuntimeError, match="bf16"):
         cpu_kernels.gemv_bf16(torch.randn(2, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.gemv_f32(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from serve import cpu_kernels
 from serve.attention import SeqChunk, TorchPagedAttention, paged_attention_reference
 from serve.attention.torch_ref import split_by_context
 from serve.model import rms_norm
-from serve.quant import PACKED_MAX_ROWS, DenseLinear
+from serve.quant import F32_KERNEL_MAX_ROWS, PACKED_MAX_ROWS, DenseLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 37])
@@ -35,18 +35,25 @@ def test_dense_linear_bf16_equals_f_linear(rows: int, bias: bool) -> None:
     assert torch.equal(lin(x[None])[0], F.linear(x, w, b))  # 3-d input takes the plain path
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize(
+    "rows", [0, 1, 3, F32_KERNEL_MAX_ROWS, F32_KERNEL_MAX_ROWS + 1, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1]
+)
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_linear_float32_matches_float64(rows: int, bias: bool) -> None:
-    """float32 weights: oneDNN-prepacked up to PACKED_MAX_ROWS rows, MKL above; both are float32
-    accumulations of the exact product (summation order aside), in 2-d and 3-d shapes."""
+@pytest.mark.parametrize("kernels", [False, True])
+def test_dense_linear_float32_matches_float64(rows: int, bias: bool, kernels: bool) -> None:
+    """float32 weights: serve's kernel up to F32_KERNEL_MAX_ROWS rows, oneDNN-prepacked up to
+    PACKED_MAX_ROWS rows, MKL above; all are float32 accumulations of the exact product
+    (summation order aside), in 2-d and 3-d shapes."""
+    if kernels and not cpu_kernels.available():
+        pytest.fail("serve's AVX2 kernels did not build on this CPU")
     torch.manual_seed(rows + 7)
-    w, x = torch.randn(300, 96), torch.randn(rows, 96)
+    w, x = torch.randn(300, 100), torch.randn(rows, 100)
     b = torch.randn(300) if bias else None
-    lin = DenseLinear(w, b)
+    lin = DenseLinear(w, b, use_kernels=kernels)
     assert lin.packed_f32 is not None or not torch.backends.mkldnn.is_available()
+    assert lin.f32_kernel_max_rows == (F32_KERNEL_MAX_ROWS if kernels else 0)
     ref = F.linear(x.double(), w.double(), b.double() if bias else None)
-    bound = 96 * 2.0**-23 * (F.linear(x.double().abs(), w.double().abs()) + 1)
+    bound = 100 * 2.0**-23 * (F.linear(x.double().abs(), w.double().abs()) + 1)
     for got in (lin(x), lin(x[None])[0]):
         assert got.dtype == torch.float32 and got.shape == (rows, 300)
         assert bool(((got.double() - ref).abs() <= bound).all())

@@ -238,50 +238,63 @@ torch::Tensor run(const Dispatch& dispatch, const torch::Tensor& x_in, int64_t N
   return emit(y, M, N, out_dtype);
 }
 
-// ---- int4 weights x int8 activations (dynamic, one scale per 32 input features of each row).
+// ---- int4 weights x int8 activations (dynamic, quantized per 32 input features of each row).
 // Why: widening int4 to float costs three vector ops per 8 weights, which keeps the float
 // kernel above compute-bound speed on AVX2; with activations quantized per block the products
 // run as u8 x s8 integer dot products (maddubs: 32 products in one instruction), as llama.cpp's
-// Q4 x Q8 path does. The zero-point term uses the exact float sum of each activation group.
+// Q4 x Q8 path does. The zero-point term uses the exact float sums of each activation group.
+//
+// Block scales are integer multiples of one scale per row: s_b = S * m_b, with S = max_b(a_b) /
+// (127 * M) and m_b = ceil(a_b / (127 * S)) for a block's max |x| a_b (so |round(x / s_b)| <=
+// 127, and s_b exceeds a_b / 127 by at most S). The multiplier m_b then joins the integer dot
+// product (`madd` by m_b instead of by 1) and a weight group's blocks add up in int32: one
+// conversion and one FMA per weight group instead of one per block. Each int32 lane gains at most
+// 8 * 15 * 127 * M per 64 features, so a group's sum stays below 238.125 * M * group < 2^31
+// while M * group <= 2^23.
+
+// One decode row: the integer step is now light enough that the hardware prefetcher alone left
+// each core waiting on weight loads (measured on Zen 1: 15-25% slower without this prefetch).
+constexpr int64_t kPrefetchAhead = 2048;
+constexpr int64_t kMultBudget = int64_t{1} << 23;  // M * group: int32 group sums cannot overflow
+constexpr int64_t kMaxMult = 4096;                  // M: s_b is a_b / 127 rounded up by <= 1/4096 of the row's largest
+
+int64_t multiplier_range(int64_t group) { return std::max<int64_t>(1, std::min(kMaxMult, kMultBudget / group)); }
 
 struct QuantRows {
-  std::vector<int8_t> q;      // [R, K]
-  std::vector<float> scale8;  // [R, K/32, 8]: each block's scale repeated across a vector
-  std::vector<float> gsum;    // [R, K/group]: exact float sums of x per weight group
+  std::vector<int8_t> q;       // [R, K]
+  std::vector<int16_t> mult;   // [R, K/32]: m_b
+  std::vector<float> row_scale;  // [R]: S
+  std::vector<float> gsum;     // [R, K/group]: exact float sums of x per weight group
 };
 
 QuantRows quantize_rows(const float* x, int R, int64_t K, int64_t group) {
-  const int64_t blocks = K / kBlock;
-  QuantRows out{std::vector<int8_t>(R * K), std::vector<float>(R * blocks * 8), std::vector<float>(R * (K / group), 0.f)};
+  const int64_t blocks = K / kBlock, range = multiplier_range(group);
+  QuantRows out{std::vector<int8_t>(R * K), std::vector<int16_t>(R * blocks), std::vector<float>(R, 0.f),
+                std::vector<float>(R * (K / group), 0.f)};
+  std::vector<float> amax(blocks);
   for (int r = 0; r < R; ++r) {
+    float top = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = x + r * K + b * kBlock;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < kBlock; ++j) { amax = std::max(amax, std::fabs(xb[j])); sum += xb[j]; }
-      const float scale = amax / 127.f;
-      const float inv = scale > 0.f ? 1.f / scale : 0.f;
-      for (int l = 0; l < 8; ++l) out.scale8[(r * blocks + b) * 8 + l] = scale;
+      float a = 0.f, sum = 0.f;
+      for (int j = 0; j < kBlock; ++j) { a = std::max(a, std::fabs(xb[j])); sum += xb[j]; }
+      amax[b] = a;
+      top = std::max(top, a);
       out.gsum[r * (K / group) + (b * kBlock) / group] += sum;
+    }
+    const float S = top / (127.f * static_cast<float>(range));
+    out.row_scale[r] = S;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float m = S > 0.f ? std::ceil(amax[b] / (127.f * S)) : 0.f;
+      out.mult[r * blocks + b] = static_cast<int16_t>(std::min<float>(m, static_cast<float>(range)));
+      const float scale = S * static_cast<float>(out.mult[r * blocks + b]);
+      const float inv = scale > 0.f ? 1.f / scale : 0.f;
+      const float* xb = x + r * K + b * kBlock;
       int8_t* qb = out.q.data() + r * K + b * kBlock;
-      for (int j = 0; j < kBlock; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      for (int j = 0; j < kBlock; ++j) qb[j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(xb[j] * inv))));
     }
   }
   return out;
-}
-
-// One 32-weight block of an output row against R quantized activation rows: integer dot
-// products, scaled by each row's block scale into the group accumulators.
-template <int R>
-inline void w4a8_block(const int8_t* xq, const float* xs8, const uint8_t* qn, int64_t b, int64_t K, int64_t blocks, __m256* acc) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * (kBlock / 2)));
-  const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-  for (int r = 0; r < R; ++r) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
-    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(xs8 + (r * blocks + b) * 8), acc[r]);
-  }
 }
 
 // Calls f(std::integral_constant<int, R>) for a chunk of `rows` activation rows (1-8).
@@ -299,24 +312,42 @@ void by_rows(int rows, F&& f) {
   }
 }
 
-// ---- the same product, two blocks per step (K a multiple of 64, groups of 64 or more).
-// Why: per 32 weights the one-block step above spends four vector ops unpacking nibbles into feature
-// order and three more converting and scaling one block's dot product, and a decode row was
-// bound by that arithmetic rather than by reading the weights. Loading two blocks' 32 bytes at once, one mask gives the low nibbles
-// of both (features 0-15 of each block) and one shift and mask the high nibbles (features 16-31).
-// The activations are laid out once per call in that order, so no weight is ever shuffled; the
-// two u8 x s8 products add in 16 bits (|sum| <= 4 * 15 * 127 fits), one `madd` widens them, and
-// lanes 0-3 hold block 2p's partial sums, lanes 4-7 block 2p+1's: one conversion and one FMA
-// with both blocks' activation scales finish the pair.
+// One 32-weight block per step (group 32, or K not a multiple of 64): integer dot products of
+// an output row's block against R quantized rows, times m_b, into int32 group sums.
+struct BlockStep {
+  static constexpr int64_t kWidth = kBlock;
+  const QuantRows& xq;
+  int64_t K;
+  template <int R>
+  inline void apply(const uint8_t* qn, int64_t b, __m256i* acc) const {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * (kBlock / 2)));
+    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    const int64_t blocks = K / kBlock;
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + b * kBlock));
+      const __m256i m = _mm256_set1_epi16(xq.mult[r * blocks + b]);
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), m));
+    }
+  }
+};
+
+// ---- two blocks per step (K a multiple of 64, groups of 64 or more).
+// Why: per 32 weights the one-block step spends four vector ops unpacking nibbles into feature
+// order. Loading two blocks' 32 bytes at once, one mask gives the low nibbles of both (features
+// 0-15 of each block) and one shift and mask the high nibbles (features 16-31). The activations
+// are laid out once per call in that order, so no weight is ever shuffled; the two u8 x s8
+// products add in 16 bits (|sum| <= 4 * 15 * 127 fits), and one `madd` by the blocks'
+// multipliers (16-bit lanes 0-7 block 2p's, 8-15 block 2p+1's) widens them to int32.
 
 struct PairRows {
-  std::vector<int8_t> q;      // [R, K]: per 64 features, x[0:16] x[32:48] x[16:32] x[48:64]
-  std::vector<float> scale8;  // [R, K/64, 8]: lanes 0-3 block 2p's scale, lanes 4-7 block 2p+1's
+  std::vector<int8_t> q;     // [R, K]: per 64 features, x[0:16] x[32:48] x[16:32] x[48:64]
+  std::vector<int16_t> m16;  // [R, K/64, 16]: m_{2p} in lanes 0-7, m_{2p+1} in lanes 8-15
 };
 
 PairRows pair_rows(const QuantRows& xq, int R, int64_t K) {
   const int64_t blocks = K / kBlock, pairs = K / (2 * kBlock);
-  PairRows out{std::vector<int8_t>(R * K), std::vector<float>(R * pairs * 8)};
+  PairRows out{std::vector<int8_t>(R * K), std::vector<int16_t>(R * pairs * 16)};
   for (int r = 0; r < R; ++r) {
     for (int64_t p = 0; p < pairs; ++p) {
       const int8_t* src = xq.q.data() + r * K + p * 64;
@@ -325,27 +356,33 @@ PairRows pair_rows(const QuantRows& xq, int R, int64_t K) {
       std::memcpy(dst + 16, src + 32, 16);
       std::memcpy(dst + 32, src + 16, 16);
       std::memcpy(dst + 48, src + 48, 16);
-      for (int l = 0; l < 8; ++l) out.scale8[(r * pairs + p) * 8 + l] = xq.scale8[(r * blocks + 2 * p + l / 4) * 8];
+      for (int l = 0; l < 16; ++l) out.m16[(r * pairs + p) * 16 + l] = xq.mult[r * blocks + 2 * p + l / 8];
     }
   }
   return out;
 }
 
-template <int R>
-inline void w4a8_pair(const PairRows& xp, const uint8_t* qn, int64_t p, int64_t K, int64_t pairs, __m256* acc) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + p * kBlock));
-  const __m256i lo = _mm256_and_si256(v, low);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-  for (int r = 0; r < R; ++r) {
-    const int8_t* x = xp.q.data() + r * K + p * 64;
-    const __m256i d16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))));
-    const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(d16, ones));
-    acc[r] = _mm256_fmadd_ps(d, _mm256_loadu_ps(xp.scale8.data() + (r * pairs + p) * 8), acc[r]);
+// One load, three ops to unpack, two maddubs and one madd per 64 weights.
+struct PairStep {
+  static constexpr int64_t kWidth = 2 * kBlock;
+  const PairRows& xp;
+  int64_t K;
+  template <int R>
+  inline void apply(const uint8_t* qn, int64_t p, __m256i* acc) const {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + p * kBlock));
+    const __m256i lo = _mm256_and_si256(v, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    const int64_t pairs = K / kWidth;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xp.q.data() + r * K + p * 64;
+      const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp.m16.data() + (r * pairs + p) * 16));
+      const __m256i d16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                                           _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))));
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(d16, m));
+    }
   }
-}
+};
 
 // sum over groups of zeros[g] * gsum[g]: the zero-point term of one output and one row
 inline float zero_term(const float* zeros, const float* gsum, int64_t groups) {
@@ -357,55 +394,36 @@ inline float zero_term(const float* zeros, const float* gsum, int64_t groups) {
   return total;
 }
 
-// The steps the group loop below walks: one block of 32 weights, or a pair of blocks.
-struct BlockStep {
-  static constexpr int64_t kWidth = kBlock;
-  const QuantRows& xq;
-  int64_t K;
-  template <int R>
-  inline void apply(const uint8_t* qn, int64_t b, __m256* acc) const {
-    w4a8_block<R>(xq.q.data(), xq.scale8.data(), qn, b, K, K / kBlock, acc);
-  }
-};
-
-struct PairStep {
-  static constexpr int64_t kWidth = 2 * kBlock;
-  const PairRows& xp;
-  int64_t K;
-  template <int R>
-  inline void apply(const uint8_t* qn, int64_t p, __m256* acc) const {
-    w4a8_pair<R>(xp, qn, p, K, K / kWidth, acc);
-  }
-};
-
-// Per weight group: steps alternate between two accumulator sets (consecutive FMAs do not wait
-// on each other), then the group's weight scale multiplies their sum once; the zero-point term
-// comes last from the exact activation sums.
-template <int R, typename Step>
+// Per weight group: the steps' integer sums (exact), converted once and scaled by the group's
+// weight scale into a float accumulator (indexing two by the group's parity kept them on the
+// stack: a store and reload per group); the row scale S multiplies the total
+// and the zero-point term comes last from the exact activation sums.
+// PER: steps per group known at compile time (1, 2 or 4; 0 reads it at run time), so a group's
+// steps unroll.
+template <int R, int PER, typename Step>
 void w4a8_kernel(const Step& step, const QuantRows& xq, const uint8_t* q, const float* scales, const float* zeros, int64_t K,
                  int64_t group, int64_t N, int64_t n0, int64_t n1, float* y) {
-  const int64_t groups = K / group, per_group = group / Step::kWidth;
+  const int64_t groups = K / group, per_group = PER > 0 ? PER : group / Step::kWidth;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R];
+    __m256 acc[R];  // one accumulator: a group's integer work hides the FMA's latency
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const uint8_t* qn = q + n * (K / 2);
     if (R >= 2 && n + 1 < N) {  // the next output's weights, as rows_kernel does
       for (int64_t off = 0; off < K / 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(qn + K / 2 + off), _MM_HINT_T0);
     }
     for (int64_t g = 0; g < groups; ++g) {
-      __m256 g0[R], g1[R];
-      for (int r = 0; r < R; ++r) g0[r] = g1[r] = _mm256_setzero_ps();
-      int64_t u = g * per_group;
-      const int64_t end = u + per_group;
-      for (; u + 2 <= end; u += 2) {
-        step.template apply<R>(qn, u, g0);
-        step.template apply<R>(qn, u + 1, g1);
+      if (R == 1) {  // the weights kPrefetchAhead bytes on (rows are contiguous: on into the next outputs)
+        const char* at = reinterpret_cast<const char*>(qn + g * (group / 2)) + kPrefetchAhead;
+        for (int64_t off = 0; off < group / 2; off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
       }
-      if (u < end) step.template apply<R>(qn, u, g0);
+      __m256i gi[R];
+      for (int r = 0; r < R; ++r) gi[r] = _mm256_setzero_si256();
+      for (int64_t u = g * per_group; u < (g + 1) * per_group; ++u) step.template apply<R>(qn, u, gi);
       const __m256 s = _mm256_set1_ps(scales[n * groups + g]);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_add_ps(g0[r], g1[r]), s, acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r]), s, acc[r]);
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = hsum(acc[r]) + zero_term(zeros + n * groups, xq.gsum.data() + r * groups, groups);
+    for (int r = 0; r < R; ++r)
+      y[r * N + n] = xq.row_scale[r] * hsum(acc[r]) + zero_term(zeros + n * groups, xq.gsum.data() + r * groups, groups);
   }
 }
 
@@ -486,24 +504,32 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x_in, const torch::Tensor& q, co
   const FloatRows x(x_in);
   const int64_t M = x_in.size(0);
   std::vector<float> y(M * N);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
     const QuantRows xq = quantize_rows(x.data + m0 * K, rows, K, group);
     float* yp = y.data() + m0 * N;
-    const uint8_t* qp = q.data_ptr<uint8_t>();
-    const float* sp = scales.data_ptr<float>();
-    const float* zp = zeros.data_ptr<float>();
+    const auto run_step = [&](const auto& step) {
+      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+        by_rows(rows, [&](auto R) {
+          constexpr int kR = decltype(R)::value;
+          using S = std::decay_t<decltype(step)>;
+          switch (group / S::kWidth) {
+            case 1: return w4a8_kernel<kR, 1>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp);
+            case 2: return w4a8_kernel<kR, 2>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp);
+            case 4: return w4a8_kernel<kR, 4>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp);
+            default: return w4a8_kernel<kR, 0>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp);
+          }
+        });
+      });
+    };
     if (K % PairStep::kWidth == 0 && group >= PairStep::kWidth) {
       const PairRows xp = pair_rows(xq, rows, K);
-      const PairStep step{xp, K};
-      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-        by_rows(rows, [&](auto R) { w4a8_kernel<decltype(R)::value>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp); });
-      });
+      run_step(PairStep{xp, K});
     } else {
-      const BlockStep step{xq, K};
-      at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-        by_rows(rows, [&](auto R) { w4a8_kernel<decltype(R)::value>(step, xq, qp, sp, zp, K, group, N, n0, n1, yp); });
-      });
+      run_step(BlockStep{xq, K});
     }
   }
   return emit(y, M, N, out_dtype);

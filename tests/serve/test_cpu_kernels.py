@@ -3,9 +3,9 @@
 References: float64 matmuls on the same bf16 values (bf16 kernel); a brute-force nibble packer
 and float64 dequantization (int4 layout and float kernel); the int8-activation kernel against a
 float64 evaluation of its documented arithmetic (activations rounded per 32 features to
-round(x / s) * s with s = max|x| / 127, zero-point term on the exact sums), written with loops
-and torch ops here, not with the kernel's code. Rows run past the 8-row chunk, K past the 32-wide
-blocks, and results must not depend on the thread count.
+round(x / s_b) * s_b with s_b an integer multiple of one row scale, zero-point term on the exact
+sums), written with loops and torch ops here, not with the kernel's code. Rows run past the
+8-row chunk, K past the 32-wide blocks, and results must not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -105,35 +105,58 @@ def test_int4_float_kernel_matches_float64_dequantized(rows: int, group: int) ->
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def _int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x rounded per 32 features to round(x / s) * s, s = max|x| / 127, in float64 (loops)."""
+def _int8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x rounded per 32 features to round(x / s_b) * s_b (float64, loops), where each block's
+    scale is an integer multiple of one row scale: S = max_b a_b / (127 M), m_b = ceil(a_b / (127
+    S)), s_b = S m_b, for a block's max |x| a_b and M = min(4096, 2^23 / group). S and m_b are
+    computed in float32, as the kernel does (ties of the ceiling must go the same way)."""
+    mult_range = max(1, min(4096, 2**23 // group))
     out = torch.zeros(x.shape, dtype=torch.float64)
     for r in range(x.shape[0]):
+        amax = x[r].float().reshape(-1, 32).abs().amax(dim=1)
+        row_scale = amax.max() / (127.0 * mult_range)
         for b in range(x.shape[1] // 32):
             blk = x[r, 32 * b : 32 * (b + 1)].double()
-            s = blk.abs().max().item() / 127
-            out[r, 32 * b : 32 * (b + 1)] = torch.round(blk / s) * s if s > 0 else 0.0
+            m = torch.ceil(amax[b] / (127.0 * row_scale)).clamp(max=mult_range) if row_scale > 0 else 0.0
+            s = float(row_scale * m) if row_scale > 0 else 0.0
+            out[r, 32 * b : 32 * (b + 1)] = (torch.round(blk / s).clamp(-127, 127) * s) if s > 0 else 0.0
     return out
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 9])
-@pytest.mark.parametrize("group, k", [(32, 256), (32, 224), (64, 320), (64, 1152), (128, 256), (128, 640)])
+@pytest.mark.parametrize("group, k", [(32, 256), (32, 224), (64, 320), (64, 1152), (128, 256), (128, 640), (256, 512)])
 def test_int4_int8_activation_kernel_matches_its_arithmetic(rows: int, group: int, k: int) -> None:
     """q * scale terms use the rounded activations, the zero term the exact ones.
 
-    Group 32 or K not a multiple of 64 take the one-block kernel, the rest the two-block one
-    (an odd number of pairs per group at 64, group counts on both sides of 8 for the zero term).
+    Group 32 or K not a multiple of 64 take the one-block kernel, the rest the two-block one (an
+    odd number of pairs per group at 64, group counts on both sides of 8 for the zero term).
     """
+    torch.manual_seed(1000 * rows + k)  # the ~1% bound below is a statistic: a fixed draw
     q, scales, zeros = _random_int4(k, 40, group, seed=7 * rows + group)
     x = torch.randn(rows, k) * torch.linspace(0.1, 3, k)  # uneven magnitudes across blocks
     x[0, :32] = 0.0  # an all-zero block must not divide by zero
+    x[-1, -32:] *= 1e-4  # a block far below the row's largest: a multiplier of 1
     s, z = scales.double().repeat_interleave(group, 0), zeros.double().repeat_interleave(group, 0)
-    ref = _int8_rows(x) @ (q.double() * s) + x.double() @ (z - 8 * s)
+    ref = _int8_rows(x, group) @ (q.double() * s) + x.double() @ (z - 8 * s)
     packed = cpu_kernels.Int4Packed(q, scales, zeros, group)
     got = cpu_kernels.gemv_int4(x, packed, torch.float32, int8_activations=True).double()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     exact = x.double() @ _dequant64(q, scales, zeros, group).T  # and the rounding costs ~1%
     assert ((got - exact).norm() / exact.norm()).item() < 0.03
+
+
+def test_int8_activation_sums_do_not_overflow_at_the_extremes() -> None:
+    """All weights 15, all activations at the same magnitude (every m_b = M, every |x_q| = 127)
+    over a large group: the int32 group sums reach their bound and must stay exact."""
+    k, group = 4096, 4096
+    q = torch.full((k, 8), 15, dtype=torch.int32)
+    scales, zeros = torch.full((1, 8), 0.01), torch.zeros(1, 8)
+    x = torch.full((2, k), 3.0)
+    x[1] *= -1
+    packed = cpu_kernels.Int4Packed(q, scales, zeros, group)
+    ref = x.double() @ _dequant64(q, scales, zeros, group).T
+    got = cpu_kernels.gemv_int4(x, packed, torch.float32, int8_activations=True).double()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=0.0)
 
 
 def test_results_do_not_depend_on_thread_count() -> None:

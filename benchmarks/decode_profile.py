@@ -16,7 +16,6 @@ Prints a table; writes benchmarks/results/decode_profile-<time>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from collections import defaultdict
@@ -171,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         q = sb.quantize_rtn_gptq(d, d.parent / (d.name + "-gptq"))
         results["runs"]["int4"] = profile(q, args, bw, int4_activations="int8")
         print_profile(f"{args.preset} int4 (int8 act)", results["runs"]["int4"])
-    sb.RESULTS.mkdir(exist_ok=True)
-    out = sb.RESULTS / f"decode_profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(results, indent=1))
-    print(f"\nwrote {out}")
+    sb.write_results("decode_profile", results)
     return 0
 
 

@@ -89,6 +89,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def write_results(name: str, results: dict[str, Any]) -> Path:
+    """`results` as benchmarks/results/<name>-<time>.json; prints and returns the path."""
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {out}")
+    return out
+
+
 # --------------------------------------------------------------------------- models
 def build_random_model(
     path: Path, preset: str, seed: int = 0, damp_from: int | None = None, vocab: int = 32000, damp: float = 0.006

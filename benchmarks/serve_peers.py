@@ -49,8 +49,11 @@ LLAMACPP_VERSION = "0.3.36"
 
 
 # --------------------------------------------------------------------------- peers (subprocesses)
-def run_peer(python: Path, script: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run one peer runner in its venv on `spec`; its JSON, or {"error": ...} naming what failed."""
+def run_peer(
+    python: Path, script: str, spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run one peer runner in its venv on `spec` (`env`: extra environment variables); its JSON,
+    or {"error": ...} naming what failed."""
     if not python.is_file():
         return {"error": f"{python} missing: run the peer's set-up script in benchmarks/peers/ first"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,7 +66,7 @@ def run_peer(python: Path, script: str, spec: dict[str, Any], timeout: float) ->
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 timeout=timeout,
-                env={**os.environ, "PYTHONPATH": ""},
+                env={**os.environ, "PYTHONPATH": "", **(env or {})},
             )
         out = Path(spec["out"])
         if proc.returncode != 0 or not out.is_file():

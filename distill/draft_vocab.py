@@ -36,6 +36,65 @@ def coverage(docs: Sequence[Sequence[int]], ids: Sequence[int]) -> float:
     return sum(t in keep for d in docs for t in d) / max(total, 1)
 
 
+def restrict_head(model: Any, ids: Sequence[int]) -> Any:
+    """Give ``model`` a frozen head over ``ids`` only (rows copied from its own head) and freeze
+    its input embedding; return the original head for ``restore_head``.
+
+    The model's own forward then yields logits over ``ids``, so autocast, DDP and DeepSpeed
+    wrappers and any final-logit soft-capping still apply; with a 262k-row head that is most of
+    a small model's multiply-adds gone from every training step."""
+    import torch
+
+    original = model.get_output_embeddings()
+    rows = original.weight.detach()[torch.as_tensor(list(ids), dtype=torch.long)].clone()
+    head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=original.bias is not None)
+    head = head.to(device=rows.device, dtype=rows.dtype)
+    with torch.no_grad():
+        head.weight.copy_(rows)
+        if original.bias is not None:
+            head.bias.copy_(original.bias.detach()[torch.as_tensor(list(ids), dtype=torch.long)])
+    head.requires_grad_(False)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.set_output_embeddings(head)
+    return original
+
+
+def with_full_head(trained: Any, init: Any) -> Any:
+    """A copy of ``init`` (the full-head draft) carrying ``trained``'s weights, all but the
+    restricted head ``restrict_head`` put in: the embedding and head stay the ones it froze."""
+    import copy
+
+    full = copy.deepcopy(init)
+    head = next(n for n, m in trained.named_modules() if m is trained.get_output_embeddings())
+    state = {k: v for k, v in trained.state_dict().items() if not k.startswith(head + ".")}
+    missing, unexpected = full.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith(head + ".") for k in missing):
+        raise RuntimeError(f"draft weights do not fit the full-head draft: {missing} {unexpected}")
+    return full
+
+
+def mask_outside(model: Any, ids: Sequence[int]) -> Any:
+    """A view of ``model`` whose logits are ``-inf`` outside ``ids``: the distribution serve's
+    restricted draft proposes from, for measuring acceptance as it will be served."""
+    import torch
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+            self.config = model.config
+            keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+            keep[torch.as_tensor(list(ids), dtype=torch.long)] = True
+            self.register_buffer("outside", ~keep, persistent=False)
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            out = self.inner(*args, **kwargs)
+            out.logits = out.logits.masked_fill(self.outside[: out.logits.shape[-1]], float("-inf"))
+            return out
+
+    return Masked()
+
+
 def write(out_dir: Path, ids: list[int], info: dict[str, Any]) -> None:
     """Write the file the serve engine reads (serve.weights.read_draft_vocab)."""
     (Path(out_dir) / FILE).write_text(json.dumps({"token_ids": ids, **info}))

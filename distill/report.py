@@ -25,9 +25,18 @@ def spec_prompts(held_out: list[list[int]], n: int, length: int) -> list[list[in
 
 
 def measure(
-    ctx: "StageContext", p: "DraftParams", target: Any, models: dict[str, Any], tokenizer: Any, texts: list[str]
+    ctx: "StageContext",
+    p: "DraftParams",
+    target: Any,
+    models: dict[str, Any],
+    tokenizer: Any,
+    texts: list[str],
+    served_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """Analytic acceptance for every draft, empirical runs and speedups for the trained ones.
+
+    With ``served_ids``, acceptance and speculation use the drafts restricted to those ids, the
+    distribution serve proposes from (bits per character stay over the full vocabulary).
 
     Batch-1 decoding of a small model is per-call overhead, not arithmetic: on a shared CPU a
     second intra-op thread only adds synchronisation (measured 5-40x slower here), so the
@@ -38,15 +47,22 @@ def measure(
     if p.decode_threads:
         torch.set_num_threads(p.decode_threads)
     try:
-        return _measure(ctx, p, target, models, tokenizer, texts)
+        return _measure(ctx, p, target, models, tokenizer, texts, served_ids or [])
     finally:
         torch.set_num_threads(before)
 
 
 def _measure(
-    ctx: "StageContext", p: "DraftParams", target: Any, models: dict[str, Any], tokenizer: Any, texts: list[str]
+    ctx: "StageContext",
+    p: "DraftParams",
+    target: Any,
+    models: dict[str, Any],
+    tokenizer: Any,
+    texts: list[str],
+    served_ids: list[int],
 ) -> dict[str, Any]:
     from distill.data import encode_docs
+    from distill.draft_vocab import mask_outside
     from warsha.evaluate import likelihood
     from warsha.speculative import analytic_acceptance, measure_cost_ratio, plain_tokens_per_s
 
@@ -58,7 +74,8 @@ def _measure(
         lk = likelihood(model, tokenizer, ar_texts, p.eval_len, desc=f"bpc {name}")
         out["bits_per_char"][name] = lk.bits_per_char
         if name != "target":
-            out["acceptance"][name] = analytic_acceptance(target, model, held_out, temps, p.eval_len)
+            view = mask_outside(model, served_ids) if served_ids else model
+            out["acceptance"][name] = analytic_acceptance(target, view, held_out, temps, p.eval_len)
             ctx.tracker.log({f"acceptance/{name}/{k}": v for k, v in out["acceptance"][name].items()})
     for ref in ("baseline", "init"):
         if ref in out["acceptance"]:
@@ -68,6 +85,9 @@ def _measure(
                 if k != "positions"
             }
     out["cost"] = measure_cost_ratio(target, models["distilled"], context=p.spec_prompt_len + p.spec_new_tokens)
+    out["acceptance_over"] = f"{len(served_ids)} served ids" if served_ids else "full vocabulary"
+    if served_ids:
+        models = {k: mask_outside(m, served_ids) for k, m in models.items()}
     prompts = spec_prompts(held_out, p.spec_prompts, p.spec_prompt_len)
     out["plain_tokens_per_s"] = {
         f"t{t:g}": plain_tokens_per_s(target, prompts, p.spec_new_tokens, t, ctx.seed) for t in p.spec_temperatures

@@ -109,9 +109,18 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
         p.teacher_cache_topk,
     )
     cache = TopkCache(p.teacher_cache_topk, target.config.vocab_size) if p.teacher_cache_topk else None
+    vocab_ids: list[int] = []
+    vocab_info: dict[str, Any] = {}
+    if p.draft_vocab_size:
+        vocab_ids, vocab_info = _draft_vocab(ctx, p, tokenizer, train_docs, held_out_texts)
     student = copy.deepcopy(init).train()
+    if p.distill_vocab == "draft":
+        draft_vocab.restrict_head(student, vocab_ids)
+        draft_vocab.restrict_head(teacher, vocab_ids)
     batch_fn = distill_batches(student, teacher, pools, spec, p.train.batch_size, ctx.seed, cache)
     distilled, d_summary = train_or_load(ctx, "distill", student, p.train, batch_fn, distill_loss(teacher, spec))
+    if p.distill_vocab == "draft":
+        distilled = draft_vocab.with_full_head(distilled, init)
     models = {"init": init, "distilled": distilled.float().eval()}
     train_summary = {"distill": d_summary, "chunks": int(pools.chunks.shape[0])}
     if cache is not None:
@@ -126,12 +135,12 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
 
     from distill.report import measure
 
-    metrics = measure(ctx, p, target, models, tokenizer, held_out_texts)
+    served = vocab_ids if p.distill_vocab == "draft" else []
+    metrics = measure(ctx, p, target, models, tokenizer, held_out_texts, served)
     metrics["train"] = train_summary
     metrics["draft"] = describe(init, target, p)
-    vocab_ids: list[int] = []
-    if p.draft_vocab_size:
-        vocab_ids, metrics["draft_vocab"] = _draft_vocab(ctx, p, tokenizer, train_docs, held_out_texts)
+    if vocab_ids:
+        metrics["draft_vocab"] = vocab_info
     if ctx.is_main:
         drafting.save_draft(distilled, ctx.model_dir, ctx.out_dir)
         if vocab_ids:

@@ -57,6 +57,14 @@ class DraftParams:
             " the serve engine then computes draft logits for those only (0: off)",
         ),
     )
+    distill_vocab: Literal["full", "draft"] = field(
+        default="full",
+        metadata=check(
+            help="full: match the teacher over the whole vocabulary; draft: over the draft_vocab_size"
+            " ids serve proposes from (teacher renormalised over them), with the embedding and head"
+            " frozen, so a large-vocabulary target's head stops dominating each step"
+        ),
+    )
     max_train_documents: int = field(default=4000, metadata=check(ge(1), help="train documents per language"))
     eval_documents: int = field(default=64, metadata=check(ge(1), help="validation documents per language"))
     eval_len: int = field(default=128, metadata=check(ge(2), help="tokens per held-out sequence"))
@@ -90,6 +98,19 @@ class DraftParams:
                 problems.append("draft_path: method 'model' needs an HF draft directory")
             elif not (Path(self.draft_path) / "config.json").is_file():
                 problems.append(f"draft_path: no config.json in {self.draft_path!r}")
+        if self.distill_vocab == "draft":
+            if not self.draft_vocab_size:
+                problems.append("distill_vocab: 'draft' needs draft_vocab_size > 0 (the ids to distil over)")
+            if self.on_policy_fraction:
+                problems.append(
+                    "on_policy_fraction: must be 0 with distill_vocab 'draft' (samples would"
+                    " come from a head over the draft's ids, not the vocabulary)"
+                )
+            if self.teacher_cache_topk:
+                problems.append(
+                    "teacher_cache_topk: the top-k cache holds full-vocabulary log-probs; set 0"
+                    " with distill_vocab 'draft'"
+                )
         if any(k < 1 for k in self.spec_ks):
             problems.append(f"spec_ks: every k must be >= 1, got {self.spec_ks}")
         if any(t < 0 for t in self.spec_temperatures):

@@ -70,6 +70,26 @@ def test_stage_writes_a_loadable_draft_and_reports(tmp_path: Path, ctx_factory: 
     assert again["acceptance"]["distilled"] == metrics["acceptance"]["distilled"]
 
 
+def test_stage_distils_over_the_draft_vocabulary(tmp_path: Path, ctx_factory: Any, target_dir: Path) -> None:
+    """distill_vocab 'draft': the layers learn, the embedding and head stay the target's, the
+    saved draft has its full head back, and acceptance is measured over the served ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ctx = ctx_factory(tmp_path)
+    p = _params(distill_vocab="draft", draft_vocab_size=50, on_policy_fraction=0.0, baseline=False, spec_ks=[1])
+    metrics = STAGES["draft"].run(ctx, p)
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    draft = AutoModelForCausalLM.from_pretrained(ctx.out_dir)
+    emb = target.get_input_embeddings().weight
+    assert torch.equal(draft.get_input_embeddings().weight, emb)
+    assert torch.equal(draft.get_output_embeddings().weight, target.get_output_embeddings().weight)
+    assert not torch.equal(draft.model.layers[0].mlp.down_proj.weight, target.model.layers[0].mlp.down_proj.weight)
+    assert metrics["acceptance_over"] == "50 served ids"
+    assert metrics["train"]["distill"]["steps_run"] == 6
+    assert 0.0 <= metrics["acceptance"]["distilled"]["t0"] <= 1.0
+
+
 def ctx_factory_reuse(ctx: Any, out: Path) -> Any:
     """The same job's context with a fresh output directory (as after a killed run)."""
     import dataclasses
@@ -129,6 +149,12 @@ def test_larger_draft_warns_in_the_stage(tmp_path: Path, ctx_factory: Any) -> No
         ({"loss": "kl"}, "params.loss: must be one of"),
         ({"on_policy_fraction": 1.5}, "on_policy_fraction: must be <= 1.0"),
         ({"temperature": 0.0}, "temperature: must be > 0.0"),
+        ({"distill_vocab": "draft", "on_policy_fraction": 0.0}, "distill_vocab: 'draft' needs draft_vocab_size"),
+        ({"distill_vocab": "draft", "draft_vocab_size": 50}, "on_policy_fraction: must be 0"),
+        (
+            {"distill_vocab": "draft", "draft_vocab_size": 50, "on_policy_fraction": 0.0, "teacher_cache_topk": 8},
+            "teacher_cache_topk: the top-k cache",
+        ),
     ],
 )
 def test_bad_params_are_reported_by_path(over: dict[str, Any], needle: str) -> None:

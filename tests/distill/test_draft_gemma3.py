@@ -52,3 +52,47 @@ def test_narrow_gemma3_draft_saves_and_loads(gemma_target: torch.nn.Module, tmp_
     with torch.inference_mode():
         torch.testing.assert_close(back(input_ids=ids).logits, d.eval()(input_ids=ids).logits)
     assert drafting.narrow_layer_types(["sliding_attention"] * 5 + ["full_attention"], 1) == ["full_attention"]
+
+
+def test_restricted_head_gives_the_full_logits_at_its_ids(gemma_target: torch.nn.Module) -> None:
+    """With final-logit soft-capping on, as the model's own forward applies it."""
+    import copy
+
+    from distill.draft_vocab import restrict_head, with_full_head
+
+    full = copy.deepcopy(gemma_target)
+    full.config.final_logit_softcapping = 5.0
+    ids = [7, 3, 250, 41, 0, 299]
+    small = copy.deepcopy(full)
+    restrict_head(small, ids)
+    assert not small.get_input_embeddings().weight.requires_grad
+    assert not small.get_output_embeddings().weight.requires_grad
+    x = torch.randint(5, 300, (2, 40))
+    with torch.inference_mode():
+        torch.testing.assert_close(small(input_ids=x).logits, full(input_ids=x).logits[..., ids])
+    with torch.no_grad():
+        small.model.layers[1].mlp.up_proj.weight.add_(0.5)
+    back = with_full_head(small, full)
+    assert back.get_input_embeddings().weight.data_ptr() == back.get_output_embeddings().weight.data_ptr()
+    assert torch.equal(back.model.layers[1].mlp.up_proj.weight, small.model.layers[1].mlp.up_proj.weight)
+    with torch.inference_mode():
+        torch.testing.assert_close(back(input_ids=x).logits[..., ids], small(input_ids=x).logits)
+
+
+def test_masked_draft_acceptance_matches_brute_force(gemma_target: torch.nn.Module) -> None:
+    """Acceptance of the served (restricted) draft: sum over the kept ids of min(p, q_kept)."""
+    from distill.draft_vocab import mask_outside
+    from warsha.speculative import analytic_acceptance
+
+    draft = drafting.layer_subset(gemma_target, [0, 5]).eval()
+    ids = list(range(0, 300, 3))
+    seqs = [torch.randint(5, 300, (30,)).tolist() for _ in range(3)]
+    got = analytic_acceptance(gemma_target, mask_outside(draft, ids), seqs, (1.0,))
+    total = 0.0
+    with torch.inference_mode():
+        for s in seqs:
+            x = torch.tensor([s])
+            p = torch.softmax(gemma_target(input_ids=x).logits[0].double(), -1)
+            q = torch.softmax(draft(input_ids=x).logits[0].double()[:, ids], -1)
+            total += float(torch.minimum(p[:, ids], q).sum())
+    assert got["t1"] == pytest.approx(total / 90, rel=1e-5)

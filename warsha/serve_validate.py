@@ -42,6 +42,14 @@ class ValidateParams:
     dtype: Literal["bfloat16", "float32"] = field(
         default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties")
     )
+    int4_activations: Literal["float", "int8"] = field(
+        default="float",
+        metadata=check(
+            help="float makes the greedy check exact for int4 targets; int8 rounds each row's"
+            " activations, so float noise between a decode step and a verification chunk can flip"
+            " a rounding and part the outputs"
+        ),
+    )
     kv_cache_memory_gb: float = field(default=0.5, metadata=check(help="KV pool size per engine"))
     tie_tolerance: float = field(
         default=1e-2,
@@ -97,10 +105,16 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
         "prompt_tokens": p.prompt_tokens,
         "max_tokens": p.max_tokens,
         "k": p.num_speculative_tokens,
+        "int4_activations": p.int4_activations,
     }
     identical, real = True, 0
     for bs in p.batch_sizes:
-        common = {"dtype": p.dtype, "max_num_seqs": bs, "kv_cache_memory_gb": p.kv_cache_memory_gb}
+        common = {
+            "dtype": p.dtype,
+            "max_num_seqs": bs,
+            "kv_cache_memory_gb": p.kv_cache_memory_gb,
+            "int4_activations": p.int4_activations,
+        }
         plain_engine = LLM(ctx.model_dir, **common)
         plain_out, plain = run_engine(plain_engine, prompts, p.max_tokens)
         spec_engine = LLM(

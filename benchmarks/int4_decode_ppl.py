@@ -38,13 +38,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def decode_nll(model: LlamaModel, ids: list[int], block_size: int = 16) -> float:
-    """Summed next-token NLL (nats) of `ids`, every position computed as a one-row decode step."""
+    """Summed next-token NLL (nats) of `ids`, every position computed as a one-row decode step.
+
+    Each KV block group (Gemma 3's sliding and full layers keep separate blocks) gets its own
+    table over a disjoint range of the pool."""
     blocks = -(-len(ids) // block_size)
-    kv, table, total = model.new_kv_cache(blocks, block_size), list(range(blocks)), 0.0
+    groups = max(model.kv_layout.layer_group) + 1
+    kv, total = model.new_kv_cache(blocks * groups, block_size), 0.0
+    tables = [list(range(g * blocks, (g + 1) * blocks)) for g in range(groups)]
     for pos in range(len(ids) - 1):
-        step = ForwardBatch(
-            torch.tensor([ids[pos]]), torch.tensor([pos]), [SeqChunk(0, 1, pos + 1, table)], torch.tensor([0])
-        )
+        chunk = SeqChunk(0, 1, pos + 1, tables[0], tuple(tables[1:]))
+        step = ForwardBatch(torch.tensor([ids[pos]]), torch.tensor([pos]), [chunk], torch.tensor([0]))
         logits = model.forward(step, kv)[0].double()
         total += float(torch.logsumexp(logits, 0) - logits[ids[pos + 1]])
     return total

@@ -61,6 +61,11 @@ def digest(files: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
+def config_hash(config: Any) -> str:
+    """sha256 of a stage's resolved config (key order ignored): what decides "up to date"."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's (or a directory's entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -12,7 +12,6 @@ input digests.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import platform
@@ -100,7 +99,7 @@ def plan(recipe: Recipe, root: Path) -> list[Planned]:
             elif role == "model":
                 inputs[role] = steps[-1].out_dir if steps else Path(recipe.base)
         cfg = stage_config(recipe, i)
-        chash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
+        chash = artifacts.config_hash(cfg)
         out_dir = root / entry.key
         steps.append(Planned(i, entry.stage, entry.key, sdef, recipe.resolved[i], out_dir, inputs, cfg, chash))
         by_key[entry.key] = out_dir

@@ -85,11 +85,13 @@ def import_cli(source: str, out: Path, sha256: str | None, dtype: str) -> dict[s
 
     shutil.rmtree(partial, ignore_errors=True)
     metrics = import_model(params, partial)
+    config = {"stage": "import", "params": {"source": spec, "sha256": sha256, "dtype": dtype}}
     manifest = {
         "stage": "import",
         "id": out.name,
         "recipe": None,
-        "config": {"stage": "import", "params": {"source": spec, "sha256": sha256, "dtype": dtype}},
+        "config": config,
+        "config_hash": artifacts.config_hash(config),
         "inputs": [],
         "metrics": metrics,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -43,20 +43,25 @@ def restrict_head(model: Any, ids: Sequence[int]) -> Any:
     The model's own forward then yields logits over ``ids``, so autocast, DDP and DeepSpeed
     wrappers and any final-logit soft-capping still apply; with a 262k-row head that is most of
     a small model's multiply-adds gone from every training step."""
+    original = model.get_output_embeddings()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.set_output_embeddings(_rows_head(original, ids))
+    return original
+
+
+def _rows_head(original: Any, ids: Sequence[int]) -> Any:
+    """A frozen ``Linear`` holding the rows ``ids`` of the head ``original`` (copies)."""
     import torch
 
-    original = model.get_output_embeddings()
-    rows = original.weight.detach()[torch.as_tensor(list(ids), dtype=torch.long)].clone()
+    index = torch.as_tensor(list(ids), dtype=torch.long)
+    rows = original.weight.detach()[index].clone()
     head = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=original.bias is not None)
     head = head.to(device=rows.device, dtype=rows.dtype)
     with torch.no_grad():
         head.weight.copy_(rows)
         if original.bias is not None:
-            head.bias.copy_(original.bias.detach()[torch.as_tensor(list(ids), dtype=torch.long)])
-    head.requires_grad_(False)
-    model.get_input_embeddings().weight.requires_grad_(False)
-    model.set_output_embeddings(head)
-    return original
+            head.bias.copy_(original.bias.detach()[index])
+    return head.requires_grad_(False)
 
 
 def with_full_head(trained: Any, init: Any) -> Any:
@@ -75,7 +80,12 @@ def with_full_head(trained: Any, init: Any) -> Any:
 
 def mask_outside(model: Any, ids: Sequence[int]) -> Any:
     """A view of ``model`` whose logits are ``-inf`` outside ``ids``: the distribution serve's
-    restricted draft proposes from, for measuring acceptance as it will be served."""
+    restricted draft proposes from, for measuring acceptance as it will be served.
+
+    Like serve, the view multiplies only the ``ids`` rows of the head (the model's own head is
+    swapped for the duration of each forward, so soft-capping still applies): with a 262k-row
+    head, the full product would make the draft cost most of a target step and the stage's
+    speculative timings would describe a draft nobody serves."""
     import torch
 
     class Masked(torch.nn.Module):
@@ -83,13 +93,21 @@ def mask_outside(model: Any, ids: Sequence[int]) -> Any:
             super().__init__()
             self.inner = model
             self.config = model.config
-            keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-            keep[torch.as_tensor(list(ids), dtype=torch.long)] = True
-            self.register_buffer("outside", ~keep, persistent=False)
+            full = model.get_output_embeddings()
+            self.vocab = int(full.weight.shape[0])
+            self.register_buffer("index", torch.as_tensor(list(ids), dtype=torch.long), persistent=False)
+            self.head = _rows_head(full, ids)
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
-            out = self.inner(*args, **kwargs)
-            out.logits = out.logits.masked_fill(self.outside[: out.logits.shape[-1]], float("-inf"))
+            full = self.inner.get_output_embeddings()
+            self.inner.set_output_embeddings(self.head)
+            try:
+                out = self.inner(*args, **kwargs)
+            finally:
+                self.inner.set_output_embeddings(full)
+            logits = out.logits.new_full((*out.logits.shape[:-1], self.vocab), float("-inf"))
+            logits[..., self.index] = out.logits
+            out.logits = logits
             return out
 
     return Masked()

@@ -35,8 +35,8 @@ def measure(
 ) -> dict[str, Any]:
     """Analytic acceptance for every draft, empirical runs and speedups for the trained ones.
 
-    With ``served_ids``, acceptance and speculation use the drafts restricted to those ids, the
-    distribution serve proposes from (bits per character stay over the full vocabulary).
+    With ``served_ids``, acceptance, the cost ratio and speculation use the drafts restricted to
+    those ids, as serve runs them (bits per character stay over the full vocabulary).
 
     Batch-1 decoding of a small model is per-call overhead, not arithmetic: on a shared CPU a
     second intra-op thread only adds synchronisation (measured 5-40x slower here), so the
@@ -84,10 +84,10 @@ def _measure(
                 for k in out["acceptance"][ref]
                 if k != "positions"
             }
-    out["cost"] = measure_cost_ratio(target, models["distilled"], context=p.spec_prompt_len + p.spec_new_tokens)
     out["acceptance_over"] = f"{len(served_ids)} served ids" if served_ids else "full vocabulary"
     if served_ids:
         models = {k: mask_outside(m, served_ids) for k, m in models.items()}
+    out["cost"] = measure_cost_ratio(target, models["distilled"], context=p.spec_prompt_len + p.spec_new_tokens)
     prompts = spec_prompts(held_out, p.spec_prompts, p.spec_prompt_len)
     out["plain_tokens_per_s"] = {
         f"t{t:g}": plain_tokens_per_s(target, prompts, p.spec_new_tokens, t, ctx.seed) for t in p.spec_temperatures

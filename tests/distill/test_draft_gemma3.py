@@ -96,3 +96,32 @@ def test_masked_draft_acceptance_matches_brute_force(gemma_target: torch.nn.Modu
             q = torch.softmax(draft(input_ids=x).logits[0].double()[:, ids], -1)
             total += float(torch.minimum(p[:, ids], q).sum())
     assert got["t1"] == pytest.approx(total / 90, rel=1e-5)
+
+
+def test_masked_view_multiplies_only_served_rows(gemma_target: torch.nn.Module) -> None:
+    """The served view's logits are the full model's at the ids (soft-capped, with a KV cache)
+    and -inf elsewhere; its head has only those rows; the model keeps its own head."""
+    from transformers import DynamicCache
+
+    from distill.draft_vocab import mask_outside
+
+    draft = drafting.layer_subset(gemma_target, [0, 5]).eval()
+    draft.config.final_logit_softcapping = 5.0
+    ids = [7, 3, 250, 11, 42]
+    view = mask_outside(draft, ids)
+    head = draft.get_output_embeddings()
+    assert view.head.weight.shape == (len(ids), head.weight.shape[1])
+    x = torch.randint(5, 300, (2, 12))
+    with torch.inference_mode():
+        full = draft(input_ids=x).logits
+        got = view(input_ids=x).logits
+        cache = DynamicCache()
+        view(input_ids=x[:1, :-1], past_key_values=cache, use_cache=True)
+        step = view(input_ids=x[:1, -1:], past_key_values=cache, use_cache=True).logits
+    assert draft.get_output_embeddings() is head
+    outside = torch.ones(full.shape[-1], dtype=torch.bool)
+    outside[ids] = False
+    torch.testing.assert_close(got[..., ids], full[..., ids])
+    assert bool(torch.isneginf(got[..., outside]).all())
+    torch.testing.assert_close(step[0, -1, ids], full[0, -1, ids], atol=1e-5, rtol=1e-5)
+    assert float(full.abs().max()) <= 5.0

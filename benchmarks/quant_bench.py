@@ -75,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=1, help="1 is fastest on a busy 2-core machine")
     p.add_argument("--no-peers", action="store_true", help="skip llm-compressor")
+    p.add_argument("--peer-methods", default="gptq,awq", help="llm-compressor methods to run (comma list)")
     p.add_argument("--peer-load", action="store_true", help="also load Warsha's exports with GPTQModel")
     p.add_argument("--out", type=Path)
     return p.parse_args()
@@ -156,7 +157,7 @@ def run_llmcompressor(args: argparse.Namespace, calib: Any, ignore: list[str], t
             "calib": calib,
             "bits": args.bits,
             "group_size": args.group_size,
-            "methods": ["gptq", "awq"],
+            "methods": args.peer_methods.split(","),
             "ignore": ignore,
             "threads": args.threads,
             "gptq_actorder": "static" if args.gptq_act_order else None,
@@ -285,7 +286,7 @@ def main() -> None:
         else:
             lc = run_llmcompressor(args, calib, ignore, tmp)
             results["peer_environment"] = {k: v for k, v in lc.items() if k not in ("gptq", "awq")}
-            for method in ("gptq", "awq"):
+            for method in args.peer_methods.split(","):
                 r = lc.get(method, {"error": lc.get("error", "not run")})
                 results[f"llmcompressor-{method}"] = r
                 if "model_dir" in r:

@@ -1,7 +1,8 @@
 """The one-decoder-layer-at-a-time driver shared by RTN, GPTQ and AWQ.
 
 Calibration tokens go through the embeddings once; the hidden states entering decoder layer 0
-are caught (with the keyword arguments the model passes its layers: rotary embeddings, mask).
+are caught, with the keyword arguments the model passes each type of layer (rotary embeddings,
+mask: Gemma 3's sliding and full-attention layers get different ones).
 Then for each layer: move it to the compute device, check its weights, let the method quantize
 its linears (writing the fake-quantized weights back), rerun the *quantized* layer to get the
 next layer's inputs, check them, move the layer back. Peak device memory is one decoder layer
@@ -27,10 +28,22 @@ log = logging.getLogger("warsha.quantize")
 
 @dataclass
 class Calibration:
-    """Per-batch hidden states entering the current layer and the layer call's kwargs."""
+    """Per-batch hidden states entering the current layer and the layer call's kwargs.
+
+    Models with several attention layer types (Gemma 3: sliding and full) pass each type its own
+    mask and rotary embeddings, so ``by_type`` keeps one kwargs list per type and ``select``
+    points ``kwargs`` at the current layer's; a full-attention layer run with a sliding layer's
+    RoPE would feed every later layer (and its Hessian) activations the model never produces."""
 
     hidden: list[torch.Tensor]
     kwargs: list[dict[str, Any]]
+    by_type: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    layer_types: list[str] = field(default_factory=list)
+
+    def select(self, index: int) -> None:
+        """Make ``kwargs`` what the model passes decoder layer ``index``."""
+        if self.layer_types:
+            self.kwargs = self.by_type[self.layer_types[index]]
 
 
 @dataclass
@@ -96,22 +109,41 @@ class _Caught(Exception):
     pass
 
 
+def layer_types(model: Any, num_layers: int) -> list[str]:
+    """Each decoder layer's attention type from the config (one type when it names none)."""
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or getattr(getattr(cfg, "text_config", None), "layer_types", None)
+    if not types or len(types) < num_layers:
+        return ["default"] * num_layers
+    return [str(t) for t in types[:num_layers]]
+
+
 def capture_layer0(
     model: Any, arch: ArchSpec, ids: torch.Tensor, batch_size: int, device: str, dtype: torch.dtype
 ) -> Calibration:
-    """Run the embeddings on every calibration batch and catch layer 0's inputs."""
+    """Run the embeddings on every calibration batch and catch layer 0's inputs, and the
+    kwargs of the first layer of each attention type (the pass stops at the last of those)."""
     layers = decoder_layers(model, arch)
-    calib = Calibration(hidden=[], kwargs=[])
+    types = layer_types(model, len(layers))
+    firsts = {kind: types.index(kind) for kind in dict.fromkeys(types)}
+    last = max(firsts.values())
+    calib = Calibration(hidden=[], kwargs=[], by_type={kind: [] for kind in firsts}, layer_types=types)
 
-    def hook(_module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        calib.hidden.append(hidden.to(dtype))
-        calib.kwargs.append({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise _Caught
+    def hook_for(kind: str, index: int) -> Callable[..., None]:
+        def hook(_module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+            kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+            if index == 0:
+                calib.hidden.append((args[0] if args else kwargs["hidden_states"]).to(dtype))
+            calib.by_type[kind].append(kw)
+            if index == last:
+                raise _Caught
+
+        return hook
 
     _move_non_layers(model, arch, device)
-    layers[0].to(device)
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    for layer in layers[: last + 1]:
+        layer.to(device)
+    handles = [layers[i].register_forward_pre_hook(hook_for(k, i), with_kwargs=True) for k, i in firsts.items()]
     try:
         with torch.no_grad():
             for start in range(0, ids.shape[0], batch_size):
@@ -120,11 +152,14 @@ def capture_layer0(
                 except _Caught:
                     pass
     finally:
-        handle.remove()
-        layers[0].to("cpu")
+        for handle in handles:
+            handle.remove()
+        for layer in layers[: last + 1]:
+            layer.to("cpu")
         _move_non_layers(model, arch, "cpu")
     for b, h in enumerate(calib.hidden):
         check_finite(h, f"the embedding output (calibration batch {b})")
+    calib.select(0)
     return calib
 
 
@@ -153,6 +188,8 @@ def quantize_layers(
         prefix = f"{arch.layers}.{i}"
         for pname, p in layer.named_parameters():
             check_finite(p.data, f"weight {prefix}.{pname}")
+        if calib is not None:
+            calib.select(i)
         for name, ql in method(layer, prefix, plan.names[i], calib).items():
             out[f"{prefix}.{name}"] = ql.cpu()
         if calib is not None:

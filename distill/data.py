@@ -78,26 +78,35 @@ def on_policy_batch(
     gen_len: int,
     temperature: float,
     seed: int,
+    columns: "torch.Tensor | None" = None,
 ) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Prompts for ``step`` continued by ``sampler``; the mask selects the positions whose
-    next-token distribution conditions on sampled text (the last prompt token onwards)."""
+    next-token distribution conditions on sampled text (the last prompt token onwards).
+    ``columns``: the vocabulary id of each logit column when the sampler's head is restricted."""
     import torch
 
     rng = step_rng(seed, step, "on")
     idx = [rng.randrange(pools.prompts.shape[0]) for _ in range(batch_size)]
     prompts = pools.prompts[idx]
     gen = torch.Generator().manual_seed(rng.randrange(2**62))
-    ids = sample(sampler, prompts, gen_len, temperature, gen)
+    ids = sample(sampler, prompts, gen_len, temperature, gen, columns)
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:, prompts.shape[1] - 1 : -1] = True
     return ids, mask
 
 
 def sample(
-    model: Any, prompts: "torch.Tensor", new_tokens: int, temperature: float, generator: "torch.Generator"
+    model: Any,
+    prompts: "torch.Tensor",
+    new_tokens: int,
+    temperature: float,
+    generator: "torch.Generator",
+    columns: "torch.Tensor | None" = None,
 ) -> "torch.Tensor":
     """Ancestral sampling of exactly ``new_tokens`` per row with a KV cache (no EOS stop, so
-    every row has the same length and the batch needs no padding)."""
+    every row has the same length and the batch needs no padding). A model whose head covers
+    only some ids (``distill.draft_vocab.restrict_head``) samples among them: ``columns`` maps
+    its logit columns back to vocabulary ids, as serve maps its restricted draft's."""
     import torch
     from transformers import DynamicCache
 
@@ -113,6 +122,8 @@ def sample(
                 nxt = logits.argmax(-1, keepdim=True)
             else:
                 nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
+            if columns is not None:
+                nxt = columns[nxt]
             out = torch.cat([out, nxt], dim=1)
             step_in = nxt
     model.train(was_training)

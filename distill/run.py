@@ -117,7 +117,8 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
     if p.distill_vocab == "draft":
         draft_vocab.restrict_head(student, vocab_ids)
         draft_vocab.restrict_head(teacher, vocab_ids)
-    batch_fn = distill_batches(student, teacher, pools, spec, p.train.batch_size, ctx.seed, cache)
+    columns = torch.tensor(vocab_ids) if p.distill_vocab == "draft" else None
+    batch_fn = distill_batches(student, teacher, pools, spec, p.train.batch_size, ctx.seed, cache, columns)
     distilled, d_summary = train_or_load(ctx, "distill", student, p.train, batch_fn, distill_loss(teacher, spec))
     if p.distill_vocab == "draft":
         distilled = draft_vocab.with_full_head(distilled, init)

@@ -62,7 +62,8 @@ class DraftParams:
         metadata=check(
             help="full: match the teacher over the whole vocabulary; draft: over the draft_vocab_size"
             " ids serve proposes from (teacher renormalised over them), with the embedding and head"
-            " frozen, so a large-vocabulary target's head stops dominating each step"
+            " frozen, so a large-vocabulary target's head stops dominating each step; on-policy"
+            " samples are then drawn among those ids too"
         ),
     )
     max_train_documents: int = field(default=4000, metadata=check(ge(1), help="train documents per language"))
@@ -101,11 +102,6 @@ class DraftParams:
         if self.distill_vocab == "draft":
             if not self.draft_vocab_size:
                 problems.append("distill_vocab: 'draft' needs draft_vocab_size > 0 (the ids to distil over)")
-            if self.on_policy_fraction:
-                problems.append(
-                    "on_policy_fraction: must be 0 with distill_vocab 'draft' (samples would"
-                    " come from a head over the draft's ids, not the vocabulary)"
-                )
             if self.teacher_cache_topk:
                 problems.append(
                     "teacher_cache_topk: the top-k cache holds full-vocabulary log-probs; set 0"

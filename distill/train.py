@@ -83,8 +83,10 @@ def distill_batches(
     batch_size: int,
     seed: int,
     cache: TopkCache | None = None,
+    columns: "torch.Tensor | None" = None,
 ) -> Any:
-    """The ``batch_fn`` for distillation: off-policy chunks or on-policy samples, per step."""
+    """The ``batch_fn`` for distillation: off-policy chunks or on-policy samples, per step.
+    ``columns``: vocabulary ids of the logit columns of heads restricted to the draft's ids."""
 
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
         key = (step * 1009 + micro) * 131 + rank
@@ -93,7 +95,9 @@ def distill_batches(
             if src == "mixed":
                 src = "draft" if step_rng(seed, key, "who").random() < 0.5 else "target"
             sampler = student if src == "draft" else teacher
-            ids, mask = on_policy_batch(sampler, pools, key, batch_size, spec.gen_len, spec.gen_temperature, seed)
+            ids, mask = on_policy_batch(
+                sampler, pools, key, batch_size, spec.gen_len, spec.gen_temperature, seed, columns
+            )
             return {"input_ids": ids, "mask": mask}
         ids, mask = off_policy_batch(pools, key, batch_size, seed)
         batch = {"input_ids": ids, "mask": mask}

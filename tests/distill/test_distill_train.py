@@ -40,6 +40,28 @@ def test_pools_and_batches_are_deterministic(pools: Any, target: Any) -> None:
     assert mask[:, 7:13].all() and not mask[:, :7].any() and not mask[:, 13].any()
 
 
+def test_restricted_head_samples_vocabulary_ids(pools: Any, target: Any) -> None:
+    """A head over some ids samples among them, returned as vocabulary ids: at temperature 0,
+    the full model's argmax over those ids at every step (a brute-force loop, no cache)."""
+    import copy
+
+    from distill.draft_vocab import restrict_head
+
+    ids = list(range(3, target.config.vocab_size, 7))
+    restricted = copy.deepcopy(target)
+    restrict_head(restricted, ids)
+    columns = torch.tensor(ids)
+    got, _ = on_policy_batch(restricted, pools, 5, 3, gen_len=6, temperature=0.0, seed=0, columns=columns)
+    seqs, _ = on_policy_batch(target, pools, 5, 3, gen_len=0, temperature=0.0, seed=0)
+    with torch.inference_mode():
+        for _ in range(6):
+            logits = target(input_ids=seqs).logits[:, -1, columns]
+            seqs = torch.cat([seqs, columns[logits.argmax(-1)].unsqueeze(1)], dim=1)
+    assert torch.equal(got, seqs)
+    sampled, _ = on_policy_batch(restricted, pools, 6, 3, gen_len=6, temperature=1.0, seed=0, columns=columns)
+    assert set(sampled[:, 8:].flatten().tolist()) <= set(ids)
+
+
 @pytest.mark.parametrize("loss", ["fkl", "tvd"])
 def test_distillation_raises_acceptance(
     tmp_path: Path, target: Any, tokenizer: Any, corpus: Any, pools: Any, ctx_factory: Any, loss: str

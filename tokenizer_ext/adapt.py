@@ -240,15 +240,18 @@ def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir:
 
 
 def targets(m: dict[str, Any]) -> dict[str, Any]:
-    """The adaptation's acceptance figures (extended vs base, other-language drift), from the measured numbers."""
+    """The adaptation's acceptance figures from the measured numbers: the extended model against
+    the base trained on the same budget (target language), and each language's bits per
+    character against the unadapted base. Getting better is never a miss: the checks are "at
+    most 5% worse", not "within 5% either way"."""
     ext, ctl, base = (m[k]["bits_per_char"] for k in ("extended", "base_same_budget", "base_model"))
     langs = list(ext)
-    tgt, src = langs[0], langs[1]
-    return {
-        f"{tgt}_bpc_extended_le_base_adapted": ext[tgt] <= ctl[tgt],
-        f"{src}_bpc_change_vs_base_model": ext[src] / base[src] - 1.0,
-        f"{src}_bpc_within_5pct": abs(ext[src] / base[src] - 1.0) <= 0.05,
-    }
+    out: dict[str, Any] = {f"{langs[0]}_bpc_extended_le_base_adapted": ext[langs[0]] <= ctl[langs[0]]}
+    for lang in langs:
+        change = ext[lang] / base[lang] - 1.0
+        out[f"{lang}_bpc_change_vs_base_model"] = change
+        out[f"{lang}_bpc_at_most_5pct_worse"] = change <= 0.05
+    return out
 
 
 def _rows(model_dir: Path) -> int:

@@ -89,7 +89,8 @@ class LLM:
         target = LlamaModel.load(
             model_dir, torch_dtype, self._backend, args.device, args.int4_activations, args.head_quant
         )
-        draft = self._load_draft(draft_dir, torch_dtype) if draft_dir is not None else None
+        draft_dtype = resolve_dtype(args.draft_dtype) if args.draft_dtype else torch_dtype
+        draft = self._load_draft(draft_dir, draft_dtype) if draft_dir is not None else None
         if draft is not None:
             draft.bind_kv_layout(target.kv_layout)  # the draft's layers share the target's block tables
         self.max_model_len = self._resolve_max_len(args.max_model_len)
@@ -250,9 +251,7 @@ class LLM:
 
     def _step_once(self) -> list[RequestOutput]:
         """Schedule, compute and commit one batch; raises _BatchFailure (state restored) if computing fails."""
-        n_decoding = sum(1 for s in self.scheduler.running if s.is_decoding)
-        k = self.spec.k if self.spec and n_decoding and self.spec.should_speculate(n_decoding) else 0
-        batch = self.scheduler.schedule(num_spec_tokens=k)
+        batch = self.scheduler.schedule(num_spec_tokens=self._plan_windows())
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch.is_empty:
             return []
@@ -276,6 +275,16 @@ class LLM:
         outputs = self._commit(batch, new_tokens, proposal)
         self._record_step(batch, proposal, decode_only, time.perf_counter() - started)
         return outputs
+
+    def _plan_windows(self) -> int:
+        """Set each running request's draft window for this step; the largest (0: no speculation)."""
+        running = self.scheduler.running
+        decoding = [s for s in running if s.is_decoding]
+        eligible = [s.request_id for s in decoding if s.spec_allowed]
+        plan = self.spec.plan(eligible, len(decoding)) if self.spec and eligible else {}
+        for seq in running:
+            seq.spec_window = plan.get(seq.request_id, 0)
+        return max(plan.values(), default=0)
 
     def _isolate(self, seqs: list[Sequence], cause: Exception) -> list[RequestOutput]:
         """Step each request of a failed batch alone; fail only the ones that fail alone."""
@@ -340,6 +349,8 @@ class LLM:
             seq.num_computed_tokens = n + m - 1
             seq.draft_num_computed_tokens = min(n - 1 + k, n + m)
             out[row] = [(int(t), None) for t in res.tokens[j, : m + 1]]
+            if self.spec is not None:
+                self.spec.observe(seq.request_id, k, m)
             self.stats.spec_proposed += k
             self.stats.spec_accepted += m
             self.stats.spec_verifications += 1
@@ -438,6 +449,8 @@ class LLM:
         if not stopped_by_string and self.tokenizer is not None:
             seq.output_text = self.tokenizer.decode(seq.output_token_ids)
         self._generators.pop(seq.request_id, None)
+        if self.spec is not None:
+            self.spec.forget(seq.request_id)
         self._stops.pop(seq.request_id, None)
 
     def _output(self, seq: Sequence, appended: list[int]) -> RequestOutput:

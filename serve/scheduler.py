@@ -137,7 +137,8 @@ class Scheduler:
         if num_spec_tokens <= 0 or not seq.spec_allowed or not seq.is_decoding:
             return 0
         room = min(seq.max_total_tokens, self.config.max_model_len) - seq.num_tokens - 1
-        return max(0, min(num_spec_tokens, budget, room))
+        window = num_spec_tokens if seq.spec_window is None else min(num_spec_tokens, seq.spec_window)
+        return max(0, min(window, budget, room))
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, num_spec_tokens: int) -> int:
         """Advance running requests in FCFS order, preempting from the back when blocks run out."""

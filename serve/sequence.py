@@ -51,6 +51,7 @@ class Sequence:
     group_tables: list[list[int]] = field(default_factory=list)  # tables of block groups 1.. (`serve.kv_layout`)
     block_hashes: list[bytes] = field(default_factory=list)
     spec_allowed: bool = True
+    spec_window: int | None = None  # this step's draft window from the engine's plan (None: no limit)
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     num_cached_prompt_tokens: int = 0

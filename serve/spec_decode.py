@@ -13,16 +13,19 @@ per sequence on average and costs (1 + k c) target-step units, c being the measu
 draft forward relative to a target forward. At large batches the target step becomes
 compute-bound, c grows and speculation loses (vLLM measured 1.4-1.8x slowdowns at high load),
 so the controller measures both step kinds per batch-size bucket and speculates only where it
-wins.
+wins. Within a speculating step each request drafts its own window (`serve.spec_window`), from
+its own acceptance record and the measured cost of a drafted token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from serve.sampler import draw, exponential_noise, uniform_noise
+from serve.spec_window import WindowPlanner
 
 
 @dataclass
@@ -100,6 +103,7 @@ class _Timing:
 
     plain: float | None = None
     spec: float | None = None
+    window: float | None = None  # mean tokens drafted per sequence in the timed speculative steps
     plain_samples: int = 0
     spec_samples: int = 0
     steps: int = 0
@@ -123,16 +127,22 @@ class SpecController:
     draft token is accepted independently, but drafts fail in runs (a step accepts all k or
     none), so it underestimates what speculation emits and switched off drafts that paid.
     Decayed ratios of sums are steadier than averaging per-step ratios of a few tokens.
+
+    `plan` is what the engine asks: it keeps the exploration and probes above and, where they
+    do not force a mode, gives each request its own window (`serve.spec_window`); the bucket
+    speculates when any window is above 0. `k` is then the largest window.
     """
 
     k: int
     adaptive: bool = True
     probe_every: int = 32
     probe_steps: int = 2
+    probe_window: int = 1
     min_samples: int = 2
     ema: float = 0.25
     decay: float = 0.95
     timings: dict[int, _Timing] = field(default_factory=dict)
+    windows: WindowPlanner = field(init=False)
     _proposed: float = 0.0
     _accepted: float = 0.0
     _emitted: float = 0.0  # decayed tokens emitted by speculating sequences ...
@@ -141,6 +151,7 @@ class SpecController:
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 when a draft is given, got {self.k}")
+        self.windows = WindowPlanner(self.k)
 
     @property
     def alpha(self) -> float | None:
@@ -156,20 +167,58 @@ class SpecController:
         """Speculate unless measurements for this batch size say plain decoding is faster."""
         if not self.adaptive:
             return True
+        return self._mode(batch_size, lambda: self.predicted_speedup(batch_size) >= 1.0) != "plain"
+
+    def plan(self, request_ids: list[str], batch_size: int) -> dict[str, int]:
+        """Draft window of each speculation-eligible decoding request this step (0: plain).
+
+        `batch_size` counts every decoding request (it picks the timing bucket). Exploration
+        gives every request the full window, a probe of speculation `probe_window` tokens (it
+        is there to time a speculative step and refresh acceptance, and a long window is what
+        a probe of a losing draft can least afford); otherwise each request's window comes from
+        its own acceptance and the bucket's cost per drafted token.
+        """
+        if not self.adaptive:
+            return dict.fromkeys(request_ids, self.k)
+        planned: dict[str, int] = {}
+
+        def wins() -> bool:
+            cost = self.cost_ratio(batch_size)
+            planned.update(self.windows.plan(request_ids, cost if cost is not None else 0.0))
+            return any(planned.values())
+
+        mode = self._mode(batch_size, wins)
+        if mode == "plan":
+            return planned
+        window = {"explore": self.k, "probe": min(self.k, self.probe_window), "plain": 0}[mode]
+        return dict.fromkeys(request_ids, window)
+
+    def _mode(self, batch_size: int, wins: Callable[[], bool]) -> str:
+        """ "explore" or "probe" (speculate), "plain", or "plan" (speculate as `wins()` planned).
+
+        `wins()` decides unless exploring or probing forces a mode."""
         t = self.timings.setdefault(_bucket(batch_size), _Timing())
         t.steps += 1
         if t.spec_samples < self.min_samples:
-            return True
+            return "explore"
         if t.plain_samples < self.min_samples:
-            return False
+            return "plain"
         if t.probe_left > 0:
             t.probe_left -= 1
-            return t.probe_spec
-        wins = self.predicted_speedup(batch_size) >= 1.0
+            return "probe" if t.probe_spec else "plain"
+        won = wins()
         if t.steps % self.probe_every == 0:
-            t.probe_spec, t.probe_left = not wins, self.probe_steps - 1
-            return not wins
-        return wins
+            t.probe_spec, t.probe_left = not won, self.probe_steps - 1
+            return "plain" if won else "probe"
+        return "plan" if won else "plain"
+
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+        """One verification of `request_id`: `accepted` of its `proposed` drafts held."""
+        self.windows.observe(request_id, proposed, accepted)
+
+    def forget(self, request_id: str) -> None:
+        """A request finished: drop its acceptance record."""
+        self.windows.forget(request_id)
 
     def predicted_speedup(self, batch_size: int) -> float:
         """Expected speedup of speculation over plain decoding at `batch_size` (1.0 if unknown)."""
@@ -182,9 +231,9 @@ class SpecController:
     def cost_ratio(self, batch_size: int) -> float | None:
         """c in 1 + k c: a speculative step's extra cost per draft token, in target-step units."""
         t = self.timings.get(_bucket(batch_size))
-        if t is None or t.plain is None or t.spec is None:
+        if t is None or t.plain is None or t.spec is None or not t.window:
             return None
-        return (t.spec / t.plain - 1) / self.k
+        return max(0.0, t.spec / t.plain - 1) / t.window
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
@@ -206,6 +255,7 @@ class SpecController:
         t = self.timings.setdefault(_bucket(batch_size), _Timing())
         if seconds is not None:
             t.spec = self._smooth(t.spec, seconds)
+            t.window = self._smooth(t.window, proposed / batch_size)
             t.spec_samples += 1
         self._proposed = self.decay * self._proposed + proposed
         self._accepted = self.decay * self._accepted + accepted

@@ -27,10 +27,13 @@ class EngineArgs:
     on CPU runs only under TRITON_INTERPRET=1. `int4_activations`: how int4 checkpoints
     multiply small batches on CPU ("int8": activations rounded per 32 features; "float").
     `head_quant`: "int8" rounds the LM head (target and draft) to int8 per row on CPU
-    (`serve.head_quant`); "none" serves the checkpoint's head.
+    (`serve.head_quant`); "none" serves the checkpoint's head. `draft_dtype`: the draft's weight
+    and KV dtype (None: `dtype`); the draft only proposes, so its precision moves acceptance,
+    never the output, and a bfloat16 draft reads half the bytes of a float32 one.
     """
 
     dtype: str = "bfloat16"
+    draft_dtype: str | None = None
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -59,6 +62,8 @@ class EngineArgs:
         out = []
         if self.dtype not in ENGINE_DTYPES:
             out.append(f"dtype={self.dtype!r} is not supported; use one of {', '.join(ENGINE_DTYPES)}")
+        if self.draft_dtype is not None and self.draft_dtype not in ENGINE_DTYPES:
+            out.append(f"draft_dtype={self.draft_dtype!r} is not supported; use one of {', '.join(ENGINE_DTYPES)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             out.append(f"device={self.device!r} is not supported; use cpu or cuda")
         if self.int4_activations not in INT4_ACTIVATIONS:

@@ -53,6 +53,12 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
         help="weight and KV dtype (default: %(default)s)",
     )
     p.add_argument(
+        "--draft-dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="the draft's weight and KV dtype; it moves acceptance, never outputs (default: --dtype)",
+    )
+    p.add_argument(
         "--kv-cache-memory-gb",
         type=float,
         default=1.0,

@@ -81,6 +81,21 @@ def test_speculative_greedy_identical_and_accepts(spec_pair: tuple[Path, Path]) 
     finish(llm)
 
 
+def test_bfloat16_draft_under_a_float32_target_keeps_outputs(spec_pair: tuple[Path, Path]) -> None:
+    """The draft only proposes: its dtype moves acceptance, never the target's greedy output."""
+    target, draft = spec_pair
+    prompts = random_prompts(4, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(target, dtype="float32").generate(prompts, params)
+    llm = LLM(target, draft, dtype="float32", draft_dtype="bfloat16", adaptive_speculation=False, block_size=4)
+    assert llm.runner.draft.dtype == torch.bfloat16 and llm.runner.target.dtype == torch.float32
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.stats.acceptance_rate > 0.5
+    finish(llm)
+    with pytest.raises(ValueError, match="draft_dtype='float16'"):
+        LLM(target, draft, draft_dtype="float16")
+
+
 def test_speculation_with_rejections_sampling_and_tiny_pool(tiny_dir: Path, draft_dir: Path, reference_outputs) -> None:  # noqa: ANN001
     prompts, expected = reference_outputs
     llm = LLM(

@@ -37,7 +37,16 @@ class ValidateParams:
     num_prompts: int = field(default=16, metadata=check(ge(1)))
     prompt_tokens: int = field(default=32, metadata=check(ge(1), help="prompt length cut from held-out text"))
     max_tokens: int = field(default=64, metadata=check(ge(1)))
-    num_speculative_tokens: int = field(default=4, metadata=check(ge(1)))
+    num_speculative_tokens: int = field(
+        default=4, metadata=check(ge(1), help="the draft window (the largest, with adaptive speculation)")
+    )
+    adaptive_speculation: bool = field(
+        default=True,
+        metadata=check(
+            help="the engine's default: each request drafts the window its own acceptance pays for,"
+            " down to none; false drafts num_speculative_tokens for every request at every step"
+        ),
+    )
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     dtype: Literal["bfloat16", "float32"] = field(
         default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties")
@@ -76,23 +85,49 @@ def workload(ctx: StageContext, p: ValidateParams) -> list[list[int]]:
     return [(bos + ids)[: p.prompt_tokens] for ids in tok(texts[: p.num_prompts], add_special_tokens=False).input_ids]
 
 
-def run_engine(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy generation of every prompt; outputs and the engine's statistics."""
+def run_interleaved(
+    engines: list[Any], prompts: list[list[int]], batch_size: int, max_tokens: int
+) -> tuple[list[list[list[int]]], list[dict[str, Any]]]:
+    """Greedy outputs and statistics of each engine over the same prompts, taken in turns.
+
+    A shared host's speed drifts and jumps while a stage runs; engines timed one after the
+    other would carry that into their ratio. So the engines take turns, in alternating order
+    (ABBA): at batch size 1 prompt by prompt; at larger batch sizes over two passes of the whole
+    workload, since cutting it into batch-sized chunks would stop the engine refilling the
+    slots of requests that finish early, which is what continuous batching is for.
+    """
     from serve.sampler import SamplingParams
     from serve.stats import EngineStats
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engine.generate(prompts[:1], params)  # warm-up: first calls pay one-time allocation costs
-    engine.stats = EngineStats()
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
+    for engine in engines:
+        engine.generate(prompts[:1], params)  # warm-up: first calls pay one-time allocation costs
+        engine.stats = EngineStats()
+    every = list(range(len(prompts)))
+    chunks = [[i] for i in every] if batch_size == 1 else [every, every]
+    outputs: list[dict[int, list[int]]] = [{} for _ in engines]
+    walls, tokens = [0.0] * len(engines), [0] * len(engines)
+    for n, chunk in enumerate(chunks):
+        order = list(range(len(engines)))
+        for e in order if n % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            outs = engines[e].generate([prompts[i] for i in chunk], params)
+            walls[e] += time.perf_counter() - t0
+            tokens[e] += sum(len(o.token_ids) for o in outs)
+            for i, o in zip(chunk, outs):
+                outputs[e].setdefault(i, o.token_ids)
+    stats = [_stats(engine, wall, n) for engine, wall, n in zip(engines, walls, tokens)]
+    return [[out[i] for i in every] for out in outputs], stats
+
+
+def _stats(engine: Any, wall: float, tokens: int) -> dict[str, Any]:
+    """The engine's summary plus per-request TTFT/TPOT and throughput over its timed runs."""
     stats = engine.stats.summary()
     stats["ttft_s"] = list(engine.stats.ttft)  # per request, for the report's distributions
     stats["tpot_s"] = list(engine.stats.tpot)
     stats["wall_s"] = wall
-    stats["output_tokens_per_s"] = sum(len(o.token_ids) for o in outs) / wall
-    return [o.token_ids for o in outs], stats
+    stats["output_tokens_per_s"] = tokens / wall
+    return stats
 
 
 def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
@@ -105,6 +140,7 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
         "prompt_tokens": p.prompt_tokens,
         "max_tokens": p.max_tokens,
         "k": p.num_speculative_tokens,
+        "adaptive_speculation": p.adaptive_speculation,
         "int4_activations": p.int4_activations,
     }
     identical, real = True, 0
@@ -116,15 +152,14 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
             "int4_activations": p.int4_activations,
         }
         plain_engine = LLM(ctx.model_dir, **common)
-        plain_out, plain = run_engine(plain_engine, prompts, p.max_tokens)
         spec_engine = LLM(
             ctx.model_dir,
             ctx.inputs["draft"],
             num_speculative_tokens=p.num_speculative_tokens,
-            adaptive_speculation=False,
+            adaptive_speculation=p.adaptive_speculation,
             **common,
         )
-        spec_out, spec = run_engine(spec_engine, prompts, p.max_tokens)
+        (plain_out, spec_out), (plain, spec) = run_interleaved([plain_engine, spec_engine], prompts, bs, p.max_tokens)
         result = compare_outputs(plain_engine, prompts, plain_out, spec_out, p.tie_tolerance)
         identical &= not result["mismatched_requests"]
         real += result["mismatched_requests"] - result["near_tie_flips"]

@@ -23,6 +23,7 @@ def test_validate_stage_with_self_draft(tiny_artifact: Path, tmp_path: Path) -> 
                 "prompt_tokens": 8,
                 "max_tokens": 12,
                 "num_speculative_tokens": 3,
+                "adaptive_speculation": False,  # every step drafts the full window of 3
                 "batch_sizes": [1, 3],
             },
         }
@@ -32,6 +33,7 @@ def test_validate_stage_with_self_draft(tiny_artifact: Path, tmp_path: Path) -> 
     m = artifacts.read_manifest(tmp_path / "validate")["metrics"]
     assert m["outputs_match"] is True
     assert m["int4_activations"] == "float"  # the exact check's default (int8 rows round float noise)
+    assert m["adaptive_speculation"] is False
     for bs in (1, 3):
         spec = m[f"batch{bs}"]["speculative"]
         # The draft is the target itself: every greedy proposal must be accepted.

@@ -104,6 +104,7 @@ class _Timing:
     plain: float | None = None
     spec: float | None = None
     window: float | None = None  # mean tokens drafted per sequence in the timed speculative steps
+    fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed n, sum x, y, xx, xy: seconds on window
     plain_samples: int = 0
     spec_samples: int = 0
     steps: int = 0
@@ -138,6 +139,8 @@ class SpecController:
     probe_every: int = 32
     probe_steps: int = 2
     probe_window: int = 1
+    fit_decay: float = 0.9
+    min_window_variance: float = 0.1
     min_samples: int = 2
     ema: float = 0.25
     decay: float = 0.95
@@ -183,8 +186,8 @@ class SpecController:
         planned: dict[str, int] = {}
 
         def wins() -> bool:
-            cost = self.cost_ratio(batch_size)
-            planned.update(self.windows.plan(request_ids, cost if cost is not None else 0.0))
+            fixed, per_token = self.step_costs(batch_size) or (0.0, 0.0)
+            planned.update(self.windows.plan(request_ids, per_token, fixed))
             return any(planned.values())
 
         mode = self._mode(batch_size, wins)
@@ -235,6 +238,23 @@ class SpecController:
             return None
         return max(0.0, t.spec / t.plain - 1) / t.window
 
+    def step_costs(self, batch_size: int) -> tuple[float, float] | None:
+        """(f, c): a speculative step at `batch_size` costs 1 + f + c * window plain steps.
+
+        A decayed least-squares line of step seconds on the mean window; while the windows timed
+        hardly differ the line goes through the origin's plain step (f = 0, c the chord). A
+        negative slope (noise) is clamped to 0 with the line kept through the mean."""
+        t = self.timings.get(_bucket(batch_size))
+        if t is None or t.plain is None or t.fit[0] <= 0:
+            return None
+        n, sx, sy, sxx, sxy = t.fit
+        mx, my = sx / n, sy / n
+        var = sxx / n - mx * mx
+        if var < self.min_window_variance or mx <= 0:
+            return 0.0, max(0.0, my / t.plain - 1) / max(mx, 1e-9)
+        slope = max(0.0, (sxy / n - mx * my) / var)
+        return max(0.0, (my - slope * mx) / t.plain - 1), slope / t.plain
+
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
 
@@ -254,8 +274,10 @@ class SpecController:
         """
         t = self.timings.setdefault(_bucket(batch_size), _Timing())
         if seconds is not None:
+            x = proposed / batch_size
             t.spec = self._smooth(t.spec, seconds)
-            t.window = self._smooth(t.window, proposed / batch_size)
+            t.window = self._smooth(t.window, x)
+            t.fit = [self.fit_decay * v + d for v, d in zip(t.fit, (1.0, x, seconds, x * x, x * seconds))]
             t.spec_samples += 1
         self._proposed = self.decay * self._proposed + proposed
         self._accepted = self.decay * self._accepted + accepted

@@ -15,11 +15,14 @@ so a_2.. are usually higher than a_1. A request with few observations leans on t
 counts as a prior (`prior_weight` pseudo-trials per depth).
 
 The plan (as SmartSpec, Liu et al. 2024, chooses windows by goodput): a step in which the
-batch's requests draft k_1..k_B tokens costs (1 + c * sum(k_i) / B) plain steps, c being the
-measured extra cost per drafted token per sequence, and emits sum(E_i(k_i)) tokens with
-E_i(k) = 1 + sum_{j<=k} prod_{i<=j} a_i. Each extra draft token of request i adds
-prod_{i<=j} a_i tokens at the same cost, and those gains shrink with depth, so the best plan
-takes the largest gains first and stops where the next one no longer raises tokens per cost.
+batch's requests draft k_1..k_B tokens costs (1 + f + c * sum(k_i) / B) plain steps, f being
+the measured fixed cost of any speculative step and c the extra cost per drafted token per
+sequence, and emits sum(E_i(k_i)) tokens with E_i(k) = 1 + sum_{j<=k} prod_{i<=j} a_i. Each
+extra draft token of request i adds prod_{i<=j} a_i tokens at the same cost, and those gains
+shrink with depth, so the best plan takes the largest gains first. The fixed part matters at
+large batches, where verification leaves the small-batch kernels: a step drafting two tokens
+per request then costs nearly what one drafting four does, and a purely per-token model,
+reading the first as "drafting is dear", kept shrinking the windows.
 """
 
 from __future__ import annotations
@@ -92,9 +95,9 @@ class WindowPlanner:
         counts = self.requests.get(request_id)
         return prior if counts is None else counts.rates(prior, self.prior_weight)
 
-    def plan(self, request_ids: list[str], cost_per_token: float) -> dict[str, int]:
+    def plan(self, request_ids: list[str], cost_per_token: float, fixed_cost: float = 0.0) -> dict[str, int]:
         """Window per request maximizing expected tokens per unit of step cost."""
-        windows = best_windows([self.rates(r) for r in request_ids], cost_per_token)
+        windows = best_windows([self.rates(r) for r in request_ids], cost_per_token, fixed_cost)
         plan = dict(zip(request_ids, windows))
         for rid in request_ids:
             if plan[rid] > 0:
@@ -106,12 +109,14 @@ class WindowPlanner:
         return plan
 
 
-def best_windows(rates: list[list[float]], cost_per_token: float) -> list[int]:
-    """Draft windows maximizing sum(E_i(k_i)) / (1 + c sum(k_i) / B) for per-depth `rates`.
+def best_windows(rates: list[list[float]], cost_per_token: float, fixed_cost: float = 0.0) -> list[int]:
+    """Draft windows maximizing sum(E_i(k_i)) / (1 + f + c sum(k_i) / B) for per-depth `rates`.
 
-    Every extra draft token costs the same (c / B), and a request's gains prod_{i<=j} a_i shrink
-    with depth, so the optimum is the set of the n largest gains for some n: take gains in
-    decreasing order while each raises tokens per cost.
+    `fixed_cost` f is what any speculative step costs on top of a plain one whatever its
+    windows (a draft pass, verification leaving the small-batch kernels); all-zero windows
+    cost 1. Every extra draft token costs the same (c / B) and a request's gains
+    prod_{i<=j} a_i shrink with depth, so among speculating plans the best is the set of the n
+    largest gains for some n: scan n, then keep the best plan only if it beats plain decoding.
     """
     batch = len(rates)
     if batch == 0:
@@ -123,11 +128,13 @@ def best_windows(rates: list[list[float]], cost_per_token: float) -> list[int]:
             reach *= rate
             gains.append((reach, row))
     gains.sort(key=lambda g: -g[0])
+    best_n, best_rate, tokens = 0, float(batch), float(batch)
+    for n, (gain, _) in enumerate(gains, start=1):
+        tokens += gain
+        rate = tokens / (1.0 + fixed_cost + cost_per_token * n / batch)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
     windows = [0] * batch
-    tokens, cost, step = float(batch), 1.0, cost_per_token / batch
-    for gain, row in gains:
-        if (tokens + gain) / (cost + step) <= tokens / cost:
-            break
-        tokens, cost = tokens + gain, cost + step
+    for _, row in gains[:best_n]:
         windows[row] += 1
     return windows

@@ -17,10 +17,10 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return 1.0 + sum(math.prod(rates[: j + 1]) for j in range(k))
 
 
-def goodput(rates: list[list[float]], windows: tuple[int, ...] | list[int], c: float) -> float:
+def goodput(rates: list[list[float]], windows: tuple[int, ...] | list[int], c: float, f: float = 0.0) -> float:
     """Tokens per unit of step cost for a window vector (a plain step of the batch costs 1)."""
     tokens = sum(expected_tokens(r, k) for r, k in zip(rates, windows))
-    return tokens / (1.0 + c * sum(windows) / len(rates))
+    return tokens / (1.0 + (f if any(windows) else 0.0) + c * sum(windows) / len(rates))
 
 
 def test_depth_counts_record_trials_up_to_the_first_rejection() -> None:
@@ -38,8 +38,9 @@ def test_best_windows_match_brute_force(seed: int) -> None:
     batch, k = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
     rates = torch.rand(batch, k, generator=g).pow(0.5).tolist()
     c = float(torch.rand(1, generator=g)) * 0.6
-    best = max(goodput(rates, w, c) for w in itertools.product(range(k + 1), repeat=batch))
-    assert goodput(rates, best_windows(rates, c), c) == pytest.approx(best, rel=1e-12)
+    f = float(torch.rand(1, generator=g)) * 0.8 if seed % 2 else 0.0
+    best = max(goodput(rates, w, c, f) for w in itertools.product(range(k + 1), repeat=batch))
+    assert goodput(rates, best_windows(rates, c, f), c, f) == pytest.approx(best, rel=1e-12)
 
 
 def test_best_windows_edges() -> None:
@@ -48,6 +49,27 @@ def test_best_windows_edges() -> None:
     assert best_windows([[0.0, 1.0]], 0.1) == [0]  # a draft that never holds: plain decoding
     # one request that follows its draft and one that does not, in the same batch
     assert best_windows([[0.9, 0.9, 0.9, 0.9], [0.05, 0.5, 0.5, 0.5]], 0.2) == [4, 0]
+
+
+def test_a_fixed_cost_keeps_windows_long_or_turns_speculation_off() -> None:
+    rates = [[0.8, 0.8, 0.8, 0.8]] * 2
+    assert best_windows(rates, 0.3) == [3, 3]
+    assert best_windows(rates, 0.3, fixed_cost=0.5) == [4, 4]  # paying f anyway, draft deeper
+    assert best_windows(rates, 0.3, fixed_cost=3.0) == [0, 0]  # no window repays the fixed part
+
+
+def test_controller_fits_fixed_and_per_token_step_costs() -> None:
+    ctl = SpecController(k=4, min_samples=1, ema=1.0)
+    ctl.record_plain(16, seconds=1.0)
+    for window in (1, 2, 4, 1, 3, 4):  # steps cost 1 + 1.5 + 0.25 * window plain steps
+        ctl.record_spec(16, seconds=2.5 + 0.25 * window, proposed=16 * window, accepted=0)
+    fixed, per_token = ctl.step_costs(16)
+    assert fixed == pytest.approx(1.5) and per_token == pytest.approx(0.25)
+    same = SpecController(k=4, min_samples=1)
+    same.record_plain(1, seconds=1.0)
+    for _ in range(3):  # windows never varied: the chord from the plain step
+        same.record_spec(1, seconds=2.0, proposed=4, accepted=0)
+    assert same.step_costs(1) == pytest.approx((0.0, 0.25))
 
 
 def test_planner_turns_a_failing_request_off_and_probes_it() -> None:

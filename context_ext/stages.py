@@ -41,6 +41,14 @@ class YarnParams:
     warmup_steps: int = field(default=20, metadata=check(ge(0)))
     checkpoint_every: int = field(default=50, metadata=check(ge(1)))
     bf16: bool | None = field(default=None, metadata=check(help="bf16 autocast; null: where it is fast"))
+    train_head: bool = field(
+        default=True,
+        metadata=check(
+            help="false freezes an untied LM head: about 1.2x faster steps on a small model (its weight"
+            " gradient is a third of the head's cost), but a base that still learns from any training"
+            " loses what the head would have learnt"
+        ),
+    )
     retrieval_fraction: float = field(
         default=0.5, metadata=check(ge(0.0), le(1.0), help="share of training sequences that are passkey samples")
     )

@@ -127,6 +127,8 @@ def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batc
         model = suite.load_variant(done, plan.configs[method], "float32")
         return model, json.loads((done / "summary.json").read_text())
     model = suite.load_variant(ctx.model_dir, plan.configs[method], "float32").train()
+    if not p.train_head and freeze_head(model):
+        ctx.log.info("yarn fine-tune of %s: LM head frozen (train_head: false)", method)
     tp = TrainParams(
         steps=p.steps,
         batch_size=p.batch_size,
@@ -153,6 +155,23 @@ def finetune(ctx: "StageContext", p: "YarnParams", plan: Plan, method: str, batc
         fsync_tree(done)
         write_json_atomic(done / "summary.json", summary)  # last: it marks the weights complete
     return model, summary
+
+
+def freeze_head(model: Any) -> bool:
+    """Stop training an untied LM head; False (nothing frozen) when it is tied to the inputs.
+
+    Why: a context-extension fine-tune teaches the layers new positions; the vocabulary
+    projection needs no change for that, and skipping its weight gradient removes one of the
+    head's three GEMMs, which dominate a small model's step. Opt-in (``train_head: false``):
+    on an undertrained base the fine-tune is also plain language-model training, and the head
+    takes part of it. A tied head stays trainable, as freezing it would freeze the input
+    embeddings too.
+    """
+    head, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight is inputs.weight:
+        return False
+    head.weight.requires_grad_(False)
+    return True
 
 
 def loss_curve(losses: list[float], points: int = 50) -> list[float]:

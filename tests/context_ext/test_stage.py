@@ -166,3 +166,36 @@ def test_recipe_validation_reports_bad_params() -> None:
         with pytest.raises(RecipeError) as err:
             parse_recipe(raw)
         assert problem in err.value.problems
+
+
+def test_finetune_with_train_head_false_leaves_an_untied_head(tmp_path: Path, tiny_artifact: Path) -> None:
+    from safetensors.torch import load_file
+
+    params = FAST | {"train_head": False, "baselines": ["none"], "finetune_baselines": [], "eval_multiples": [1.0]}
+    extended = _run(tmp_path, tiny_artifact, params)
+    before, after = load_file(tiny_artifact / "model.safetensors"), load_file(extended / "model.safetensors")
+    assert not json.loads((tiny_artifact / "config.json").read_text()).get("tie_word_embeddings", False)
+    torch.testing.assert_close(after["lm_head.weight"], before["lm_head.weight"], atol=0, rtol=0)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(after[q], before[q])
+
+
+def test_freeze_head_leaves_a_tied_head_trainable() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from context_ext.yarn_stage import freeze_head
+
+    small = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    small |= {"num_attention_heads": 2, "num_key_value_heads": 1}
+    untied = LlamaForCausalLM(LlamaConfig(**small, tie_word_embeddings=False))
+    assert freeze_head(untied) and not untied.lm_head.weight.requires_grad
+    assert untied.model.embed_tokens.weight.requires_grad
+    tied = LlamaForCausalLM(LlamaConfig(**small, tie_word_embeddings=True))
+    assert not freeze_head(tied) and tied.lm_head.weight.requires_grad
+
+
+def test_finetune_trains_the_head_by_default(extended: Path, tiny_artifact: Path) -> None:
+    from safetensors.torch import load_file
+
+    before, after = load_file(tiny_artifact / "model.safetensors"), load_file(extended / "model.safetensors")
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])

@@ -78,7 +78,33 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-methods", default="gptq,awq", help="llm-compressor methods to run (comma list)")
     p.add_argument("--peer-load", action="store_true", help="also load Warsha's exports with GPTQModel")
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--pair",
+        nargs=2,
+        metavar="FILE:NAME",
+        help="compare two results of earlier runs over their documents (paired) and exit, e.g."
+        " --pair a.json:warsha-gptq b.json:llmcompressor-gptq",
+    )
     return p.parse_args()
+
+
+def pair(after: str, before: str) -> dict[str, tuple[float, float]]:
+    """Relative perplexity change of result ``after`` over ``before`` (each FILE:NAME), per language.
+
+    Why: llm-compressor's GPTQ is not deterministic here, so one run's peer is a sample; pairing
+    a Warsha result with the peer's from several runs needs the documents, which each result keeps.
+    """
+    from quantize.evalstats import DocScores, relative_increase
+
+    def load(spec: str) -> dict[str, DocScores]:
+        path, _, name = spec.rpartition(":")
+        result = json.loads(Path(path).read_text())["results"].get(name)
+        if result is None or "documents" not in result:
+            raise SystemExit(f"--pair: {path} has no per-document scores for {name!r} (written since this option)")
+        return {lang: DocScores.from_per_document(d) for lang, d in result["documents"].items()}
+
+    a, b = load(after), load(before)
+    return {lang: relative_increase(a[lang], b[lang]) for lang in a if lang in b}
 
 
 def warsha_params(method: str, args: argparse.Namespace) -> Any:
@@ -199,6 +225,7 @@ def compare(results: dict[str, Any], scores: dict[str, dict]) -> None:
         if name not in scores:
             continue
         r["scores"] = {lang: s.as_dict() for lang, s in scores[name].items()}
+        r["documents"] = {lang: s.per_document() for lang, s in scores[name].items()}
         if name == "unquantized":
             continue
         r["increase"] = {lang: relative_increase(s, base[lang]) for lang, s in scores[name].items()}
@@ -255,6 +282,10 @@ def main() -> None:
 
     runtime.apply(reexec=True)  # allocator and threads before the first tensor
     args = parse_args()
+    if args.pair:
+        for lang, (inc, se) in pair(*args.pair).items():
+            print(f"{lang}: {100 * inc:+.2f}% (s.e. {100 * se:.2f}) {args.pair[0]} over {args.pair[1]}")
+        return
     import torch
 
     torch.set_num_threads(args.threads)

@@ -39,6 +39,16 @@ class DocScores:
         """Bits per character over all documents (equals ``Likelihood.bits_per_char``)."""
         return float(self.nll.sum()) / math.log(2) / max(self.chars, 1)
 
+    def per_document(self) -> dict[str, Any]:
+        """The per-document arrays, for a file that later runs can be paired against."""
+        return {"nll": self.nll.tolist(), "tokens": self.tokens.tolist(), "chars": self.chars}
+
+    @classmethod
+    def from_per_document(cls, data: dict[str, Any]) -> DocScores:
+        """Inverse of ``per_document``."""
+        nll = torch.tensor(data["nll"], dtype=torch.float64)
+        return cls(nll=nll, tokens=torch.tensor(data["tokens"], dtype=torch.int64), chars=int(data["chars"]))
+
     def as_dict(self) -> dict[str, float]:
         """Manifest form (the per-document arrays are not written)."""
         return {

@@ -62,3 +62,26 @@ def test_relative_increase_refuses_different_documents() -> None:
     b = DocScores(torch.ones(3, dtype=torch.float64), torch.tensor([1, 2, 4]), 3)
     with pytest.raises(ValueError, match="not over the same documents"):
         relative_increase(a, b)
+
+
+def test_per_document_scores_pair_across_files(tmp_path: Path) -> None:
+    """Two runs written to separate files pair as the in-memory scores do (quant_bench --pair)."""
+    import json
+
+    from benchmarks.quant_bench import pair
+
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(50, 200, (12,), generator=g)
+    runs = {}
+    for name, shift in (("a", 0.0), ("b", 0.02)):
+        nll = tokens.double() * (3.0 + shift) + torch.randn(12, generator=g, dtype=torch.float64)
+        runs[name] = DocScores(nll, tokens, 4000)
+        doc = {"results": {name: {"documents": {"ar": runs[name].per_document()}}}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    assert DocScores.from_per_document(json.loads(json.dumps(runs["a"].per_document()))).perplexity == pytest.approx(
+        runs["a"].perplexity, rel=1e-15
+    )
+    paired = pair(f"{tmp_path / 'b.json'}:b", f"{tmp_path / 'a.json'}:a")
+    assert paired["ar"] == pytest.approx(relative_increase(runs["b"], runs["a"]), rel=1e-12)
+    with pytest.raises(SystemExit, match="no per-document scores for 'c'"):
+        pair(f"{tmp_path / 'b.json'}:c", f"{tmp_path / 'a.json'}:a")

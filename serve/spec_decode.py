@@ -14,7 +14,7 @@ draft forward relative to a target forward. At large batches the target step bec
 compute-bound, c grows and speculation loses (vLLM measured 1.4-1.8x slowdowns at high load),
 so the controller measures both step kinds per batch-size bucket and speculates only where it
 wins. Within a speculating step each request drafts its own window (`serve.spec_window`), from
-its own acceptance record and the measured cost of a drafted token.
+its own acceptance record and the step cost measured per window (`serve.spec_cost`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from serve.sampler import draw, exponential_noise, uniform_noise
-from serve.spec_window import WindowPlanner
+from serve.spec_cost import StepCostTable
+from serve.spec_window import StepCost, WindowPlanner
 
 
 @dataclass
@@ -104,7 +105,7 @@ class _Timing:
     plain: float | None = None
     spec: float | None = None
     window: float | None = None  # mean tokens drafted per sequence in the timed speculative steps
-    fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed n, sum x, y, xx, xy: seconds on window
+    costs: StepCostTable = field(default_factory=StepCostTable)
     plain_samples: int = 0
     spec_samples: int = 0
     steps: int = 0
@@ -139,8 +140,6 @@ class SpecController:
     probe_every: int = 32
     probe_steps: int = 2
     probe_window: int = 1
-    fit_decay: float = 0.9
-    min_window_variance: float = 0.1
     min_samples: int = 2
     ema: float = 0.25
     decay: float = 0.95
@@ -179,15 +178,14 @@ class SpecController:
         gives every request the full window, a probe of speculation `probe_window` tokens (it
         is there to time a speculative step and refresh acceptance, and a long window is what
         a probe of a losing draft can least afford); otherwise each request's window comes from
-        its own acceptance and the bucket's cost per drafted token.
+        its own acceptance and the bucket's measured step cost by window.
         """
         if not self.adaptive:
             return dict.fromkeys(request_ids, self.k)
         planned: dict[str, int] = {}
 
         def wins() -> bool:
-            fixed, per_token = self.step_costs(batch_size) or (0.0, 0.0)
-            planned.update(self.windows.plan(request_ids, per_token, fixed))
+            planned.update(self.windows.plan(request_ids, self.step_cost(batch_size), batch_size))
             return any(planned.values())
 
         mode = self._mode(batch_size, wins)
@@ -238,22 +236,14 @@ class SpecController:
             return None
         return max(0.0, t.spec / t.plain - 1) / t.window
 
-    def step_costs(self, batch_size: int) -> tuple[float, float] | None:
-        """(f, c): a speculative step at `batch_size` costs 1 + f + c * window plain steps.
-
-        A decayed least-squares line of step seconds on the mean window; while the windows timed
-        hardly differ the line goes through the origin's plain step (f = 0, c the chord). A
-        negative slope (noise) is clamped to 0 with the line kept through the mean."""
+    def step_cost(self, batch_size: int) -> StepCost:
+        """A speculative step's cost in plain steps at `batch_size`, as a function of the mean
+        window: the bucket's measured table (`serve.spec_cost`); free before anything is timed."""
         t = self.timings.get(_bucket(batch_size))
-        if t is None or t.plain is None or t.fit[0] <= 0:
-            return None
-        n, sx, sy, sxx, sxy = t.fit
-        mx, my = sx / n, sy / n
-        var = sxx / n - mx * mx
-        if var < self.min_window_variance or mx <= 0:
-            return 0.0, max(0.0, my / t.plain - 1) / max(mx, 1e-9)
-        slope = max(0.0, (sxy / n - mx * my) / var)
-        return max(0.0, (my - slope * mx) / t.plain - 1), slope / t.plain
+        if t is None or t.plain is None:
+            return lambda window: 1.0
+        plain = t.plain
+        return lambda window: t.costs.cost(window, plain) or 1.0
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
@@ -277,7 +267,7 @@ class SpecController:
             x = proposed / batch_size
             t.spec = self._smooth(t.spec, seconds)
             t.window = self._smooth(t.window, x)
-            t.fit = [self.fit_decay * v + d for v, d in zip(t.fit, (1.0, x, seconds, x * x, x * seconds))]
+            t.costs.record(x, seconds)
             t.spec_samples += 1
         self._proposed = self.decay * self._proposed + proposed
         self._accepted = self.decay * self._accepted + accepted

@@ -15,19 +15,21 @@ so a_2.. are usually higher than a_1. A request with few observations leans on t
 counts as a prior (`prior_weight` pseudo-trials per depth).
 
 The plan (as SmartSpec, Liu et al. 2024, chooses windows by goodput): a step in which the
-batch's requests draft k_1..k_B tokens costs (1 + f + c * sum(k_i) / B) plain steps, f being
-the measured fixed cost of any speculative step and c the extra cost per drafted token per
-sequence, and emits sum(E_i(k_i)) tokens with E_i(k) = 1 + sum_{j<=k} prod_{i<=j} a_i. Each
-extra draft token of request i adds prod_{i<=j} a_i tokens at the same cost, and those gains
-shrink with depth, so the best plan takes the largest gains first. The fixed part matters at
-large batches, where verification leaves the small-batch kernels: a step drafting two tokens
-per request then costs nearly what one drafting four does, and a purely per-token model,
-reading the first as "drafting is dear", kept shrinking the windows.
+batch's B requests draft k_1..k_B tokens costs cost(sum(k_i) / B) plain steps, a function of the
+mean window measured per batch bucket (`serve.spec_cost`), and emits sum(E_i(k_i)) tokens with
+E_i(k) = 1 + sum_{j<=k} prod_{i<=j} a_i. Each extra draft token of request i adds
+prod_{i<=j} a_i tokens, and those gains shrink with depth, so for any total number n of drafted
+tokens the best plan takes the n largest gains; the plan scans n against the measured cost. The
+cost model sees only the mean window, not the longest one the draft's passes follow: exact at
+batch 1, an approximation above it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+StepCost = Callable[[float], float]  # mean drafted tokens per sequence -> step cost in plain steps
 
 
 @dataclass
@@ -95,9 +97,12 @@ class WindowPlanner:
         counts = self.requests.get(request_id)
         return prior if counts is None else counts.rates(prior, self.prior_weight)
 
-    def plan(self, request_ids: list[str], cost_per_token: float, fixed_cost: float = 0.0) -> dict[str, int]:
-        """Window per request maximizing expected tokens per unit of step cost."""
-        windows = best_windows([self.rates(r) for r in request_ids], cost_per_token, fixed_cost)
+    def plan(self, request_ids: list[str], cost: StepCost, batch_size: int | None = None) -> dict[str, int]:
+        """Window per request maximizing expected tokens per unit of step `cost`.
+
+        `batch_size` is the step's decoding batch (default: the requests planned), over which
+        the mean window is taken; requests not allowed to speculate count in it at window 0."""
+        windows = best_windows([self.rates(r) for r in request_ids], cost, batch_size)
         plan = dict(zip(request_ids, windows))
         for rid in request_ids:
             if plan[rid] > 0:
@@ -109,18 +114,18 @@ class WindowPlanner:
         return plan
 
 
-def best_windows(rates: list[list[float]], cost_per_token: float, fixed_cost: float = 0.0) -> list[int]:
-    """Draft windows maximizing sum(E_i(k_i)) / (1 + f + c sum(k_i) / B) for per-depth `rates`.
+def best_windows(rates: list[list[float]], cost: StepCost, batch_size: int | None = None) -> list[int]:
+    """Draft windows maximizing sum(E_i(k_i)) / cost(sum(k_i) / batch_size) for per-depth `rates`.
 
-    `fixed_cost` f is what any speculative step costs on top of a plain one whatever its
-    windows (a draft pass, verification leaving the small-batch kernels); all-zero windows
-    cost 1. Every extra draft token costs the same (c / B) and a request's gains
-    prod_{i<=j} a_i shrink with depth, so among speculating plans the best is the set of the n
-    largest gains for some n: scan n, then keep the best plan only if it beats plain decoding.
+    All-zero windows are a plain step and cost 1 (plain tokens count for the `batch_size -
+    len(rates)` requests that may not speculate, too). Among speculating plans with n drafted
+    tokens the best takes the n largest gains prod_{i<=j} a_i (a request's gains shrink with
+    depth, so those form windows): scan n, then keep the best plan only if it beats plain
+    decoding.
     """
-    batch = len(rates)
-    if batch == 0:
+    if not rates:
         return []
+    batch = max(batch_size or 0, len(rates))
     gains = []
     for row, a in enumerate(rates):
         reach = 1.0
@@ -131,10 +136,15 @@ def best_windows(rates: list[list[float]], cost_per_token: float, fixed_cost: fl
     best_n, best_rate, tokens = 0, float(batch), float(batch)
     for n, (gain, _) in enumerate(gains, start=1):
         tokens += gain
-        rate = tokens / (1.0 + fixed_cost + cost_per_token * n / batch)
+        rate = tokens / cost(n / batch)
         if rate > best_rate:
             best_n, best_rate = n, rate
-    windows = [0] * batch
+    windows = [0] * len(rates)
     for _, row in gains[:best_n]:
         windows[row] += 1
     return windows
+
+
+def linear_cost(per_token: float, fixed: float = 0.0) -> StepCost:
+    """A step cost of 1 + fixed + per_token * window plain steps (tests and what-if figures)."""
+    return lambda window: 1.0 + fixed + per_token * window

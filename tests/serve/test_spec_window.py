@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from serve import LLM, SamplingParams
+from serve.spec_cost import StepCostTable
 from serve.spec_decode import SpecController
-from serve.spec_window import DepthCounts, WindowPlanner, best_windows
+from serve.spec_window import DepthCounts, StepCost, WindowPlanner, best_windows, linear_cost
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -17,10 +18,10 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return 1.0 + sum(math.prod(rates[: j + 1]) for j in range(k))
 
 
-def goodput(rates: list[list[float]], windows: tuple[int, ...] | list[int], c: float, f: float = 0.0) -> float:
+def goodput(rates: list[list[float]], windows: tuple[int, ...] | list[int], cost: StepCost, batch: int) -> float:
     """Tokens per unit of step cost for a window vector (a plain step of the batch costs 1)."""
-    tokens = sum(expected_tokens(r, k) for r, k in zip(rates, windows))
-    return tokens / (1.0 + (f if any(windows) else 0.0) + c * sum(windows) / len(rates))
+    tokens = sum(expected_tokens(r, k) for r, k in zip(rates, windows)) + batch - len(rates)
+    return tokens / (cost(sum(windows) / batch) if any(windows) else 1.0)
 
 
 def test_depth_counts_record_trials_up_to_the_first_rejection() -> None:
@@ -32,58 +33,93 @@ def test_depth_counts_record_trials_up_to_the_first_rejection() -> None:
     assert counts.rates([0.5] * 4, weight=1.0) == pytest.approx([0.8, 0.8, 1 / 3, 0.5])
 
 
-@pytest.mark.parametrize("seed", range(20))
+def random_cost(g: torch.Generator, batch: int, k: int) -> StepCost:
+    """A nondecreasing step cost over n = 1..batch*k drafted tokens with random (often flat) steps."""
+    steps = torch.rand(batch * k, generator=g) * (torch.rand(batch * k, generator=g) < 0.5)
+    table = (1.0 + float(torch.rand(1, generator=g)) + torch.cumsum(steps * 0.4, 0)).tolist()
+    return lambda window: table[round(window * batch) - 1]
+
+
+@pytest.mark.parametrize("seed", range(30))
 def test_best_windows_match_brute_force(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    batch, k = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
-    rates = torch.rand(batch, k, generator=g).pow(0.5).tolist()
-    c = float(torch.rand(1, generator=g)) * 0.6
-    f = float(torch.rand(1, generator=g)) * 0.8 if seed % 2 else 0.0
-    best = max(goodput(rates, w, c, f) for w in itertools.product(range(k + 1), repeat=batch))
-    assert goodput(rates, best_windows(rates, c, f), c, f) == pytest.approx(best, rel=1e-12)
+    planned, k = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+    batch = planned + (seed % 3 == 2)  # one decoding request that may not speculate
+    rates = torch.rand(planned, k, generator=g).pow(0.5).tolist()
+    if seed % 3 == 0:
+        cost = random_cost(g, batch, k)
+    else:
+        cost = linear_cost(float(torch.rand(1, generator=g)) * 0.6, float(torch.rand(1, generator=g)) * 0.8)
+    best = max(goodput(rates, w, cost, batch) for w in itertools.product(range(k + 1), repeat=planned))
+    assert goodput(rates, best_windows(rates, cost, batch), cost, batch) == pytest.approx(best, rel=1e-12)
 
 
 def test_best_windows_edges() -> None:
-    assert best_windows([], 0.2) == []
-    assert best_windows([[1.0, 1.0, 1.0]], 0.0) == [3]  # free drafts that always hold: all of them
-    assert best_windows([[0.0, 1.0]], 0.1) == [0]  # a draft that never holds: plain decoding
+    assert best_windows([], linear_cost(0.2)) == []
+    assert best_windows([[1.0, 1.0, 1.0]], linear_cost(0.0)) == [3]  # free drafts that always hold: all
+    assert best_windows([[0.0, 1.0]], linear_cost(0.1)) == [0]  # a draft that never holds: plain decoding
     # one request that follows its draft and one that does not, in the same batch
-    assert best_windows([[0.9, 0.9, 0.9, 0.9], [0.05, 0.5, 0.5, 0.5]], 0.2) == [4, 0]
+    assert best_windows([[0.9, 0.9, 0.9, 0.9], [0.05, 0.5, 0.5, 0.5]], linear_cost(0.2)) == [4, 0]
 
 
 def test_a_fixed_cost_keeps_windows_long_or_turns_speculation_off() -> None:
     rates = [[0.8, 0.8, 0.8, 0.8]] * 2
-    assert best_windows(rates, 0.3) == [3, 3]
-    assert best_windows(rates, 0.3, fixed_cost=0.5) == [4, 4]  # paying f anyway, draft deeper
-    assert best_windows(rates, 0.3, fixed_cost=3.0) == [0, 0]  # no window repays the fixed part
+    assert best_windows(rates, linear_cost(0.3)) == [3, 3]
+    assert best_windows(rates, linear_cost(0.3, fixed=0.5)) == [4, 4]  # paying f anyway, draft deeper
+    assert best_windows(rates, linear_cost(0.3, fixed=3.0)) == [0, 0]  # no window repays the fixed part
 
 
-def test_controller_fits_fixed_and_per_token_step_costs() -> None:
+def test_a_cost_flat_after_the_first_token_takes_the_full_window() -> None:
+    """Steep from one drafted token to two and flat after (as when verification leaves the
+    single-token kernels): every window but the full one costs nearly as much, so take it all;
+    the line through the same points would stop at three."""
+    measured = {1: 1.22, 2: 1.68, 3: 1.74, 4: 1.87}
+    table = StepCostTable()
+    for window, cost in measured.items():
+        table.record(window, cost)
+    rates = [[0.7, 0.7, 0.7, 0.7]]
+    assert best_windows(rates, lambda w: table.cost(w, 1.0) or 1.0) == [4]
+    slope, intercept = 0.201, 1.125  # least squares through the four points
+    assert best_windows(rates, lambda w: intercept + slope * w) == [3]
+
+
+def test_step_cost_table_interpolates_measured_bins_and_is_optimistic_elsewhere() -> None:
+    table = StepCostTable(bin_width=0.5, ema=0.5)
+    assert table.cost(1.0, plain_seconds=2.0) is None
+    table.record(1.0, 3.0)
+    table.record(3.0, 3.6)
+    table.record(1.1, 3.4)  # same bin as 1.0: decayed into it
+    assert table.points[2] == pytest.approx((1.05, 3.2))
+    assert table.cost(0.5, 2.0) == pytest.approx((2.0 + (3.2 - 2.0) * 0.5 / 1.05) / 2.0)  # from the plain step
+    assert table.cost(2.0, 2.0) == pytest.approx((3.2 + 0.4 * 0.95 / 1.95) / 2.0)
+    assert table.cost(4.0, 2.0) == pytest.approx(1.8)  # beyond the widest bin: flat (a lower bound)
+    table.record(2.0, 3.0)  # a noisy sample cheaper than the window below it
+    assert [s for _, s in table.curve()] == pytest.approx([3.1, 3.1, 3.6])  # pooled: never decreasing
+
+
+def test_controller_step_cost_reads_the_bucket_table() -> None:
     ctl = SpecController(k=4, min_samples=1, ema=1.0)
+    assert ctl.step_cost(16)(2.0) == 1.0  # nothing timed: drafting looks free
     ctl.record_plain(16, seconds=1.0)
-    for window in (1, 2, 4, 1, 3, 4):  # steps cost 1 + 1.5 + 0.25 * window plain steps
-        ctl.record_spec(16, seconds=2.5 + 0.25 * window, proposed=16 * window, accepted=0)
-    fixed, per_token = ctl.step_costs(16)
-    assert fixed == pytest.approx(1.5) and per_token == pytest.approx(0.25)
-    same = SpecController(k=4, min_samples=1)
-    same.record_plain(1, seconds=1.0)
-    for _ in range(3):  # windows never varied: the chord from the plain step
-        same.record_spec(1, seconds=2.0, proposed=4, accepted=0)
-    assert same.step_costs(1) == pytest.approx((0.0, 0.25))
+    for window, seconds in ((1, 2.0), (2, 2.6), (4, 2.7)):
+        ctl.record_spec(16, seconds=seconds, proposed=16 * window, accepted=0)
+    cost = ctl.step_cost(16)
+    assert [cost(w) for w in (1, 2, 3, 4)] == pytest.approx([2.0, 2.6, 2.65, 2.7])
+    assert ctl.step_cost(31)(4) == pytest.approx(2.7) and ctl.step_cost(1)(4) == 1.0  # bucket 16-31; batch 1 apart
 
 
 def test_planner_turns_a_failing_request_off_and_probes_it() -> None:
     planner = WindowPlanner(k=4, probe_every=3)
-    assert planner.plan(["a", "b"], 0.2) == {"a": 4, "b": 4}  # nothing seen: optimistic
+    assert planner.plan(["a", "b"], linear_cost(0.2)) == {"a": 4, "b": 4}  # nothing seen: optimistic
     for _ in range(6):
         planner.observe("a", 4, 4)
         planner.observe("b", 4, 0)
-    windows = [planner.plan(["a", "b"], 0.2) for _ in range(4)]
+    windows = [planner.plan(["a", "b"], linear_cost(0.2)) for _ in range(4)]
     assert [w["a"] for w in windows] == [4, 4, 4, 4]
     assert [w["b"] for w in windows] == [0, 0, 1, 0]  # off, then a one-token probe once in 3 steps
     planner.forget("b")
     assert "b" not in planner.requests and "b" not in planner.idle
-    assert planner.plan(["c"], 0.2)["c"] > 0  # a new request starts from the engine's record (half held)
+    assert planner.plan(["c"], linear_cost(0.2))["c"] > 0  # a new request starts from the engine's record (half held)
 
 
 def test_controller_plan_explores_then_plans_per_request() -> None:

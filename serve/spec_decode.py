@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve.sampler import draw, exponential_noise, uniform_noise
-from serve.spec_cost import StepCostTable
+from serve.spec_cost import RecentMedian, StepCostTable
 from serve.spec_window import StepCost, WindowPlanner
 
 
@@ -102,10 +102,11 @@ def _bucket(batch_size: int) -> int:
 class _Timing:
     """Smoothed step times and sample counts for one batch-size bucket."""
 
-    plain: float | None = None
-    spec: float | None = None
+    plain: float | None = None  # the median of recent plain steps (`plain_recent`)
+    spec: float | None = None  # smoothed speculative step (what `predicted_speedup` compares)
     window: float | None = None  # mean tokens drafted per sequence in the timed speculative steps
     costs: StepCostTable = field(default_factory=StepCostTable)
+    plain_recent: RecentMedian = field(default_factory=RecentMedian)
     plain_samples: int = 0
     spec_samples: int = 0
     steps: int = 0
@@ -123,7 +124,8 @@ class SpecController:
     `probe_steps` steps so the decision follows changes in load and acceptance. A probe of
     speculation lasts two steps because its first step feeds the draft the tokens it missed and
     is not timed: with one-step probes the speculative timing was never refreshed, and a couple
-    of early slow samples could keep a run plain for good. What a speculative step buys is
+    of early slow samples could keep a run plain for good. A probe of plain decoding is one step
+    (the target has nothing to catch up on). What a speculative step buys is
     measured directly, as the decayed mean of tokens each sequence emitted per verification, not
     derived from the acceptance rate through (1 - a^(k+1)) / (1 - a): that formula assumes every
     draft token is accepted independently, but drafts fail in runs (a step accepts all k or
@@ -209,7 +211,7 @@ class SpecController:
             return "probe" if t.probe_spec else "plain"
         won = wins()
         if t.steps % self.probe_every == 0:
-            t.probe_spec, t.probe_left = not won, self.probe_steps - 1
+            t.probe_spec, t.probe_left = not won, 0 if won else self.probe_steps - 1
             return "plain" if won else "probe"
         return "plan" if won else "plain"
 
@@ -251,7 +253,8 @@ class SpecController:
     def record_plain(self, batch_size: int, seconds: float) -> None:
         """A decode-only step without speculation took `seconds`."""
         t = self.timings.setdefault(_bucket(batch_size), _Timing())
-        t.plain = self._smooth(t.plain, seconds)
+        t.plain_recent.add(seconds)
+        t.plain = t.plain_recent.value
         t.plain_samples += 1
 
     def record_spec(self, batch_size: int, seconds: float | None, proposed: int, accepted: int) -> None:

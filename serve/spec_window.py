@@ -62,20 +62,26 @@ class DepthCounts:
 class WindowPlanner:
     """Per-request acceptance records and the per-step window plan.
 
-    `probe_every`: a request held at window 0 drafts `probe_window` tokens once in that many of
-    its steps, so a draft that starts to follow the text again is noticed (one token is enough
-    to see that; the deeper depths then come back through the plan).
+    Probes: a request held at window 0 drafts `probe_window` tokens now and then, so a draft
+    that starts to follow the text again is noticed (one token is enough to see that; the deeper
+    depths then come back through the plan). The first probe comes after `probe_first` idle
+    steps and each further one after twice as many, up to `probe_every`: a request goes to
+    window 0 on a handful of decayed observations, often during a short stretch its draft
+    misses, and only a probe can bring it back, while a request whose draft keeps failing soon
+    pays for a probe only once in `probe_every` steps.
     """
 
     k: int
     request_decay: float = 0.85
     global_decay: float = 0.98
     prior_weight: float = 2.0
+    probe_first: int = 2
     probe_every: int = 16
     probe_window: int = 1
     engine: DepthCounts = field(init=False)
     requests: dict[str, DepthCounts] = field(default_factory=dict)
     idle: dict[str, int] = field(default_factory=dict)  # consecutive steps at window 0
+    interval: dict[str, int] = field(default_factory=dict)  # idle steps before the request's next probe
 
     def __post_init__(self) -> None:
         self.engine = DepthCounts.empty(self.k)
@@ -90,6 +96,7 @@ class WindowPlanner:
         """Drop a finished request's record."""
         self.requests.pop(request_id, None)
         self.idle.pop(request_id, None)
+        self.interval.pop(request_id, None)
 
     def rates(self, request_id: str) -> list[float]:
         """The request's conditional acceptance per depth (the engine's, before it has any)."""
@@ -106,11 +113,13 @@ class WindowPlanner:
         plan = dict(zip(request_ids, windows))
         for rid in request_ids:
             if plan[rid] > 0:
-                self.idle[rid] = 0
+                self.idle[rid], self.interval[rid] = 0, self.probe_first
                 continue
             self.idle[rid] = self.idle.get(rid, 0) + 1
-            if self.idle[rid] >= self.probe_every:
+            interval = self.interval.get(rid, self.probe_first)
+            if self.idle[rid] >= interval:
                 plan[rid], self.idle[rid] = min(self.k, self.probe_window), 0
+                self.interval[rid] = min(2 * interval, self.probe_every)
         return plan
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serve import LLM, SamplingParams
-from serve.spec_cost import StepCostTable
+from serve.spec_cost import RecentMedian, StepCostTable
 from serve.spec_decode import SpecController
 from serve.spec_window import DepthCounts, StepCost, WindowPlanner, best_windows, linear_cost
 
@@ -84,17 +84,46 @@ def test_a_cost_flat_after_the_first_token_takes_the_full_window() -> None:
 
 
 def test_step_cost_table_interpolates_measured_bins_and_is_optimistic_elsewhere() -> None:
-    table = StepCostTable(bin_width=0.5, ema=0.5)
+    table = StepCostTable(bin_width=0.5, min_samples=1)
     assert table.cost(1.0, plain_seconds=2.0) is None
     table.record(1.0, 3.0)
     table.record(3.0, 3.6)
-    table.record(1.1, 3.4)  # same bin as 1.0: decayed into it
-    assert table.points[2] == pytest.approx((1.05, 3.2))
+    table.record(1.1, 3.4)  # same bin as 1.0
+    assert [c for point in table.points() for c in point] == pytest.approx([1.05, 3.2, 3.0, 3.6])
     assert table.cost(0.5, 2.0) == pytest.approx((2.0 + (3.2 - 2.0) * 0.5 / 1.05) / 2.0)  # from the plain step
     assert table.cost(2.0, 2.0) == pytest.approx((3.2 + 0.4 * 0.95 / 1.95) / 2.0)
     assert table.cost(4.0, 2.0) == pytest.approx(1.8)  # beyond the widest bin: flat (a lower bound)
-    table.record(2.0, 3.0)  # a noisy sample cheaper than the window below it
+    table.record(2.0, 3.0)  # a sample cheaper than the window below it
     assert [s for _, s in table.curve()] == pytest.approx([3.1, 3.1, 3.6])  # pooled: never decreasing
+
+
+def test_a_stalled_step_does_not_make_its_window_look_dear() -> None:
+    """One step preempted to 5x its time moves a mean by a third and the median not at all;
+    the plan would otherwise leave that window and never sample it again to correct it."""
+    table = StepCostTable()
+    for seconds in (2.0, 2.1, 1.9, 10.0, 2.0, 2.05, 1.95):
+        table.record(4.0, seconds)
+    for _ in range(3):
+        table.record(3.0, 1.9)
+    assert table.cost(4.0, 1.0) == pytest.approx(2.0)
+    table.record(5.0, 2.0)  # one sample is not a measurement yet: reads as the widest measured bin
+    assert table.cost(5.0, 1.0) == pytest.approx(2.0)
+    recent = RecentMedian(size=3)
+    for value in (5.0, 1.0, 2.0, 3.0):
+        recent.add(value)
+    assert list(recent.samples) == [1.0, 2.0, 3.0] and recent.value == 2.0
+
+
+def test_a_window_left_alone_is_measured_afresh() -> None:
+    """A bin the plan stopped choosing is emptied after `stale_after` steps, so it reads as
+    cheap as its neighbours allow and gets tried again under the host's current speed."""
+    table = StepCostTable(min_samples=1, stale_after=4)
+    table.record(4.0, 3.0)  # dear once
+    for _ in range(4):
+        table.record(3.0, 2.0)
+    assert table.cost(4.0, 1.0) == pytest.approx(3.0)
+    table.record(3.0, 2.0)
+    assert table.cost(4.0, 1.0) == pytest.approx(2.0) and 8 not in table.seconds
 
 
 def test_controller_step_cost_reads_the_bucket_table() -> None:
@@ -109,16 +138,20 @@ def test_controller_step_cost_reads_the_bucket_table() -> None:
 
 
 def test_planner_turns_a_failing_request_off_and_probes_it() -> None:
-    planner = WindowPlanner(k=4, probe_every=3)
+    planner = WindowPlanner(k=4, probe_first=2, probe_every=8)
     assert planner.plan(["a", "b"], linear_cost(0.2)) == {"a": 4, "b": 4}  # nothing seen: optimistic
     for _ in range(6):
         planner.observe("a", 4, 4)
         planner.observe("b", 4, 0)
-    windows = [planner.plan(["a", "b"], linear_cost(0.2)) for _ in range(4)]
-    assert [w["a"] for w in windows] == [4, 4, 4, 4]
-    assert [w["b"] for w in windows] == [0, 0, 1, 0]  # off, then a one-token probe once in 3 steps
+    windows = [planner.plan(["a", "b"], linear_cost(0.2)) for _ in range(16)]
+    assert [w["a"] for w in windows] == [4] * 16
+    # off, then one-token probes after 2, 4 and then every 8 idle steps
+    assert [w["b"] for w in windows] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]
+    for _ in range(3):
+        planner.observe("b", 4, 4)  # its draft follows again: back on, and the backoff starts over
+    assert planner.plan(["b"], linear_cost(0.2))["b"] > 0 and planner.interval["b"] == 2
     planner.forget("b")
-    assert "b" not in planner.requests and "b" not in planner.idle
+    assert "b" not in planner.requests and "b" not in planner.idle and "b" not in planner.interval
     assert planner.plan(["c"], linear_cost(0.2))["c"] > 0  # a new request starts from the engine's record (half held)
 
 
@@ -168,6 +201,7 @@ def test_per_request_windows_keep_greedy_outputs(spec_pair: tuple[Path, Path]) -
 
 def test_controller_probes_a_losing_draft_with_a_short_window() -> None:
     ctl = SpecController(k=4, min_samples=1, probe_every=4, probe_steps=2)
+    ctl.windows.probe_first = ctl.windows.probe_every = 1000  # the engine's probes alone
     ctl.record_spec(1, seconds=3.0, proposed=4, accepted=0)  # 3x the cost of a plain step
     ctl.record_plain(1, seconds=1.0)
     for _ in range(8):

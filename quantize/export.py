@@ -2,7 +2,10 @@
 
 Quantized linears are replaced by their packed tensors; every other tensor (embeddings, norms,
 including AWQ-folded norms, lm_head) is written as it is, in the input checkpoint's dtype.
-``config.json`` is the input's plus ``quantization_config``; tokenizer files are copied.
+``config.json`` is the input's plus ``quantization_config``; tokenizer files are copied, and so
+are the files that say how the checkpoint is served (``SERVING_FILES``): a draft model's
+``draft_vocab.json`` restricts its head to the ids it scores, and a quantized draft without it
+would score all of the vocabulary again, most of the time its forward takes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "*.tiktoken",
 )
+SERVING_FILES = ("draft_vocab.json",)
 SHARD_BYTES = 4 * 1024**3
 
 
@@ -123,7 +127,15 @@ def export(
     raw = json.loads((Path(src_dir) / "config.json").read_text())
     raw["quantization_config"] = qconfig
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    for pattern in TOKENIZER_FILES:
-        for f in Path(src_dir).glob(pattern):
+    copy_side_files(Path(src_dir), out_dir)
+
+
+def copy_side_files(src_dir: Path, out_dir: Path) -> list[str]:
+    """Copy the tokenizer and serving files of `src_dir` into `out_dir`; their names."""
+    copied = []
+    for pattern in TOKENIZER_FILES + SERVING_FILES:
+        for f in src_dir.glob(pattern):
             if f.is_file():
                 shutil.copy2(f, out_dir / f.name)
+                copied.append(f.name)
+    return sorted(copied)

@@ -112,3 +112,16 @@ def test_awq_and_gptq_stages_on_the_bundled_corpus(model_dir: Path, tmp_path: Pa
         m = STAGES[method].run(ctx, params)
         assert set(m["perplexity_increase_rel"]) == {"ar", "en"}
         assert m["rtn"]["ar"]["tokens"] == m["quantized"]["ar"]["tokens"] > 1000
+
+
+def test_export_carries_the_files_serving_reads(tmp_path: Path) -> None:
+    """A quantized draft keeps its draft_vocab.json: without it serve scores the whole vocabulary."""
+    from quantize.export import copy_side_files
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "draft_vocab.json", "config.json", "model.safetensors"):
+        (src / name).write_text("{}")
+    assert copy_side_files(src, out) == ["draft_vocab.json", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["draft_vocab.json", "tokenizer.json", "tokenizer_config.json"]

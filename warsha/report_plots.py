@@ -161,17 +161,24 @@ def draw_plots(manifest: dict[str, Any], out: Path, name: str) -> list[PlotResul
     return fn(manifest, out, name) if fn else []
 
 
-def plot_quant_summary(manifests: list[tuple[str, dict[str, Any]]], out: Path) -> list[PlotResult]:
-    """Perplexity per language and size on disk for every quantization method in the run.
+def quant_rows(manifests: list[tuple[str, dict[str, Any]]]) -> dict[str, tuple[dict[str, float], float | None]]:
+    """Perplexity per language and size on disk, per method, for the run's quantized model.
 
-    A run-level plot: each quantize stage records its own method, RTN and the unquantized
-    model on the same text, so methods are compared on one axis.
-    """
+    Only the quantize stages of the model most of them quantize take part: a recipe that also
+    quantizes its draft (a different model, scored on other text) would otherwise put the
+    draft's perplexity on the target's axis."""
+    quantized = [
+        (n, m)
+        for n, m in manifests
+        if m.get("stage", "").startswith("quantize.") and "quantized" in m.get("metrics", {})
+    ]
+    sources = [_model_input(m) for _, m in quantized]
+    main = max(sources, key=sources.count, default=None)
     rows: dict[str, tuple[dict[str, float], float | None]] = {}
-    for name, m in manifests:
-        metrics = m.get("metrics", {})
-        if not m.get("stage", "").startswith("quantize.") or "quantized" not in metrics:
+    for name, m in quantized:
+        if _model_input(m) != main:
             continue
+        metrics = m["metrics"]
 
         def ppl(key: str, metrics: dict = metrics) -> dict[str, float]:
             return {lang: v["perplexity"] for lang, v in (metrics.get(key) or {}).items()}
@@ -180,6 +187,21 @@ def plot_quant_summary(manifests: list[tuple[str, dict[str, Any]]], out: Path) -
         rows.setdefault("rtn", (ppl("rtn"), None))
         method = str(metrics.get("method", name))
         rows[method if method == name else f"{method} ({name})"] = (ppl("quantized"), metrics.get("size_bytes"))
+    return rows
+
+
+def _model_input(manifest: dict[str, Any]) -> str | None:
+    """The path of a stage's `model` input, from its manifest."""
+    return next((str(i.get("path")) for i in manifest.get("inputs") or [] if i.get("role") == "model"), None)
+
+
+def plot_quant_summary(manifests: list[tuple[str, dict[str, Any]]], out: Path) -> list[PlotResult]:
+    """Perplexity per language and size on disk for every quantization method in the run.
+
+    A run-level plot: each quantize stage records its own method, RTN and the unquantized
+    model on the same text, so methods are compared on one axis.
+    """
+    rows = quant_rows(manifests)
     title = "Quantization: perplexity per language and size on disk, per method"
     if len(rows) < 3:
         return [(title, None, "no quantize stage with quantized/rtn/unquantized perplexity in this run")]

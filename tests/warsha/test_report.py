@@ -50,7 +50,7 @@ def test_stage_plots_from_synthetic_manifests(tmp_path: Path) -> None:
 
 
 def test_adaptation_latency_and_quantization_summary_plots(tmp_path: Path) -> None:
-    from warsha.report_plots import draw_plots, plot_quant_summary
+    from warsha.report_plots import draw_plots, plot_quant_summary, quant_rows
 
     curve = [{"step": s, "ar": 4.0 - s / 10, "en": 1.5} for s in (0, 10, 20)]
     adapt = {
@@ -79,3 +79,12 @@ def test_adaptation_latency_and_quantization_summary_plots(tmp_path: Path) -> No
     assert png is not None and png.stat().st_size > 1000, note
     [(_, png, note)] = plot_quant_summary([("adapt", adapt)], tmp_path)
     assert png is None and "no quantize stage" in note
+    on_yarn = {**gptq, "inputs": [{"role": "model", "path": "runs/x/yarn"}]}
+    awq = {**on_yarn, "stage": "quantize.awq", "metrics": {**gptq["metrics"], "method": "awq"}}
+    draft_q4 = {
+        "stage": "quantize.rtn",
+        "inputs": [{"role": "model", "path": "runs/x/draft"}],
+        "metrics": gptq["metrics"],
+    }
+    rows = quant_rows([("gptq", on_yarn), ("awq", awq), ("draft_q4", draft_q4)])
+    assert list(rows) == ["unquantized", "rtn", "gptq", "awq"]  # the draft's own quantization stays off this axis

@@ -188,10 +188,11 @@ void dispatch_rows(int rows, const Weights& W, const float* x, int64_t K, int64_
 }
 
 // Float32 weights (twice the bytes per FMA of bf16) at 2-4 rows: fewer accumulators, and no
-// software prefetch at 2 and 4 rows. On an LM head of 278k x 640 float32 the generic choices
-// ran 2-4 rows 30-40% slower than one row; these ran 2 rows as fast as one and 3-4 rows 10-20%
-// faster than before (interleaved in one process, Zen 4). Verification chunks of a speculative
-// step are 2-5 rows, so this is most of what a drafted token costs on a float32 model.
+// software prefetch at 2 and 4 rows. On a wide float32 LM head the generic choices ran 2-4 rows
+// well below one row's memory speed although the product is bound by memory either way; these
+// bring 2 rows to one row's speed and 3-4 rows closer (figures in docs/results.md). The
+// verification chunks of a speculative step are 2-5 rows, so on a float32 model with a large
+// vocabulary this is most of what a drafted token costs.
 void dispatch_f32_rows(int rows, const F32Rows& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   switch (rows) {
     case 2: return rows_kernel<2, 2, F32Rows, false>(W, x, K, N, n0, n1, y);

@@ -166,6 +166,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     pipeline.Runner(recipe, root, force=args.force).run(steps, select)
     distributed.shutdown()  # on success only: a barrier after one rank failed would hang the rest
     print_summary(steps)
+    if distributed.world_size() > 1:
+        distributed.leave(0)
     return 0
 
 

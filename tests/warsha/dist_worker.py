@@ -41,3 +41,4 @@ except RuntimeError:
 from warsha import distributed  # noqa: E402
 
 distributed.shutdown()  # as `warsha run` does: no gloo teardown left to interpreter exit
+distributed.leave(0)

@@ -35,3 +35,19 @@ def test_two_process_bootstrap(tmp_path: Path) -> None:
     assert m["metrics"]["train"]["world_size"] == 2  # training saw both ranks
     # The trainer raises if parameters differ across ranks; reaching here means they matched.
     assert artifacts.verify(tmp_path / "bootstrap") == m["digest"]
+
+
+def test_leave_flushes_and_exits_with_the_code() -> None:
+    """A launched process ends through os._exit: what it printed and logged must still arrive."""
+    code = (
+        "import logging, sys\n"
+        "from warsha import distributed\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "print('written', end='')\n"
+        "logging.getLogger('w').warning('logged')\n"
+        "distributed.leave(3)\n"
+        "print('never')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 3 and proc.stdout == "written" and "logged" in proc.stderr

@@ -182,19 +182,23 @@ class Runner:
             is_main=is_main,
             world_size=distributed.world_size(),
         )
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), runtime.cpu_seconds()
         metrics = step.sdef.run(ctx, step.params) or {}
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, runtime.cpu_since(cpu0)
         tracker.finish(metrics)
         if is_main:
             manifest = self._manifest(step, digests, metrics, wall, tracker.run_id)
+            manifest["cpu_time"] = cpu
             artifacts.finalize(partial, step.out_dir, manifest)
             # Only now: had finalize failed, the rerun would need these to resume.
             shutil.rmtree(ckpt, ignore_errors=True)
         distributed.barrier()
         self._digests.pop(step.out_dir.resolve(), None)
         step.status, step.metrics = "ran", metrics
-        log.info("[%d/%d] %s (%s): done in %.1f s", step.index + 1, total, step.stage, step.key, wall)
+        log.info(
+            "[%d/%d] %s (%s): done in %.1f s (CPU user %.1f s, sys %.1f s)",
+            *(step.index + 1, total, step.stage, step.key, wall, cpu["user_s"], cpu["sys_s"]),
+        )
 
     def _prepare(self, step: Planned, digests: dict[str, str]) -> tuple[Path, Path]:
         """A fresh partial directory, and the checkpoint directory: kept only for the same job.

@@ -52,6 +52,33 @@ def lineage(artifacts: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def time_table(artifacts: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """Wall and CPU time per stage, and the run's system share of CPU time.
+
+    The system share over the whole run is how the allocator policy is judged (a stage paying
+    page faults for its allocations shows here first); stages written before manifests kept CPU
+    time show a dash and are left out of the total.
+    """
+    lines = ["| artifact | wall s | CPU user s | CPU sys s | sys / user |", "|---|---|---|---|---|"]
+    user = sys_ = 0.0
+    for d, m in artifacts:
+        cpu = m.get("cpu_time")
+        if cpu is None:
+            lines.append(f"| `{d.name}` | {m.get('wall_time_s', 0):.1f} | - | - | - |")
+            continue
+        user, sys_ = user + cpu["user_s"], sys_ + cpu["sys_s"]
+        lines.append(
+            f"| `{d.name}` | {m.get('wall_time_s', 0):.1f} | {cpu['user_s']:.1f} | {cpu['sys_s']:.1f} "
+            f"| {cpu['sys_share']:.1%} |"
+        )
+    if user > 0:
+        lines.append(
+            f"| **all stages** | {sum(m.get('wall_time_s', 0) for _, m in artifacts):.1f} "
+            f"| {user:.1f} | {sys_:.1f} | **{sys_ / user:.1%}** |"
+        )
+    return lines
+
+
 def run_plots(artifacts: list[tuple[Path, dict[str, Any]]], plots_dir: Path, run_dir: Path) -> list[str]:
     """Plots that compare several stages of the run (e.g. every quantization method)."""
     from warsha.report_plots import plot_quant_summary
@@ -80,6 +107,10 @@ def write_report(run_dir: Path) -> Path:
         "## Lineage",
         "",
         *lineage(artifacts),
+        "",
+        "## Time",
+        "",
+        *time_table(artifacts),
         "",
     ]
     lines += run_plots(artifacts, plots_dir, run_dir)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 from typing import Any
 
 from serve import runtime as base
@@ -27,7 +28,16 @@ from serve.runtime import ALLOCATORS, TUNED, physical_cores
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ALLOCATORS", "TUNED", "RuntimeConfigError", "apply", "describe", "physical_cores"]
+__all__ = [
+    "ALLOCATORS",
+    "TUNED",
+    "RuntimeConfigError",
+    "apply",
+    "cpu_seconds",
+    "cpu_since",
+    "describe",
+    "physical_cores",
+]
 
 _active: dict[str, Any] = {}
 
@@ -102,3 +112,20 @@ def describe() -> dict[str, Any]:
     elif out.get("allocator") == "tcmalloc":
         out["library"] = base.tcmalloc_loaded()
     return out
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(user, system) CPU seconds used so far by this process and the children it has waited for.
+
+    The system share is the figure the allocator policy exists to keep small: page faults and
+    zeroing of re-mapped memory are charged to the kernel, so a stage whose system time grows
+    against its user time is paying for its allocations rather than its arithmetic.
+    """
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + kids.ru_utime, own.ru_stime + kids.ru_stime
+
+
+def cpu_since(start: tuple[float, float]) -> dict[str, float]:
+    """CPU time since ``start`` (from :func:`cpu_seconds`) for a manifest: user, sys, sys/user."""
+    user, sys_ = (now - then for now, then in zip(cpu_seconds(), start, strict=True))
+    return {"user_s": round(user, 2), "sys_s": round(sys_, 2), "sys_share": round(sys_ / user, 4) if user > 0 else 0.0}

@@ -188,3 +188,38 @@ def test_serve_thread_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WARSHA_ALLOCATOR", "bogus")
     with pytest.raises(ValueError, match="WARSHA_ALLOCATOR"):
         serve_runtime.tune_allocator()
+
+
+def test_cpu_time_matches_the_os_clock_and_counts_page_faults_as_system_time() -> None:
+    """cpu_since agrees with os.times (an independent reading of the same clocks); touching fresh
+    pages shows up as system time, which is what the manifest's sys share is there to catch."""
+    import mmap
+
+    start, ref = runtime.cpu_seconds(), os.times()
+    total = 0
+    while os.times().user - ref.user < 0.3:
+        total += sum(range(10_000))
+    for _ in range(4):  # fresh anonymous pages: each first touch is a fault the kernel zeroes
+        with mmap.mmap(-1, 64 << 20) as m:
+            for off in range(0, len(m), mmap.PAGESIZE):
+                m[off] = 1
+    cpu, now = runtime.cpu_since(start), os.times()
+    assert total > 0
+    assert abs(cpu["user_s"] - (now.user + now.children_user - ref.user - ref.children_user)) < 0.05
+    assert abs(cpu["sys_s"] - (now.system + now.children_system - ref.system - ref.children_system)) < 0.05
+    assert cpu["user_s"] >= 0.3 and cpu["sys_s"] > 0.01
+    assert cpu["sys_share"] == pytest.approx(cpu["sys_s"] / cpu["user_s"], rel=0.05)  # fields are rounded
+
+
+def test_manifest_and_report_carry_each_stage_cpu_time(tiny_artifact: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from warsha.report import write_report
+
+    cpu = read_manifest(tiny_artifact)["cpu_time"]
+    assert cpu["user_s"] > 0 and cpu["sys_s"] >= 0
+    run = tmp_path / "run"
+    shutil.copytree(tiny_artifact, run / "bootstrap")
+    report = write_report(run).read_text()
+    assert f"| `bootstrap` | {read_manifest(tiny_artifact)['wall_time_s']:.1f} | {cpu['user_s']:.1f} |" in report
+    assert f"| **{cpu['sys_s'] / cpu['user_s']:.1%}** |" in report

@@ -57,16 +57,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         step = _chunk_rows(weight.shape[0])
         for s in range(0, hidden.shape[0], step):
             e = min(s + step, hidden.shape[0])
-            h, t, w = hidden[s:e], targets[s:e, None], scale[s:e]
+            h, t, w = hidden[s:e], targets[s:e, None], scale[s:e, None]
             probs, nll = _chunk_loss(torch.mm(h, weight.t()).float(), t)
-            loss += (nll * w).sum()
+            loss += (nll * w.squeeze(1)).sum()
             if grad_h is None and grad_w is None:
                 continue
-            probs.mul_(w[:, None]).scatter_add_(1, t, -w[:, None])  # d loss / d logits
+            probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0))  # softmax - one-hot: d nll / d logits
+            # the row weights scale the GEMMs' small operands and outputs, not the [rows, vocab] block
             if grad_h is not None:
-                grad_h[s:e] = torch.mm(probs.to(weight.dtype), weight)
+                grad_h[s:e] = torch.mm(probs.to(weight.dtype), weight).mul_(w.to(weight.dtype))
             if grad_w is not None:
-                grad_w.addmm_(probs.t(), h.float())
+                grad_w.addmm_(probs.t(), h.float() * w)
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return loss
 
@@ -82,13 +83,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax (in place over ``logits``) and the per-row negative log-likelihood."""
+    """Softmax of ``logits`` (their buffer is reused) and the per-row negative log-likelihood.
+
+    One fused softmax pass replaces the subtract / exponentiate / sum / divide passes over the
+    ``[rows, vocab]`` block, which on a CPU are bound by memory (the block is far larger than the
+    caches). The log-normaliser comes back from the softmax itself: at a row's largest logit the
+    probability is ``1 / sum(exp(logit - peak))``, which is at least ``1 / vocab`` and so never
+    underflows, whatever the target's probability.
+    """
     target_logit = logits.gather(1, targets).squeeze(1)
-    peak = logits.amax(-1)
-    probs = logits.sub_(peak[:, None]).exp_()
-    total = probs.sum(-1)
-    probs.div_(total[:, None])
-    return probs, peak + total.log() - target_logit
+    peak, where = logits.max(-1, keepdim=True)
+    # in place on CPU, where torch's last-dimension kernel reads each row before writing it
+    # (tests/warsha/test_lm_loss.py checks it against float64); a copy elsewhere
+    probs = torch.softmax(logits, -1, out=logits) if logits.device.type == "cpu" else torch.softmax(logits, -1)
+    lse = peak.squeeze(1) - probs.gather(1, where).squeeze(1).log()
+    return probs, lse - target_logit
 
 
 def plain_head(model: Any) -> tuple[Any, Any] | None:

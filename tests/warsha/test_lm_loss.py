@@ -42,6 +42,23 @@ def test_loss_and_gradients_match_float64(monkeypatch: pytest.MonkeyPatch, chunk
     assert h32.grad[::5].abs().sum() == 0  # weight-0 rows get no gradient
 
 
+def test_targets_far_below_the_peak_keep_an_exact_loss() -> None:
+    """A target whose float32 probability underflows to 0 (logit 150+ below the row's peak) still
+    gets its true loss and gradient: the normaliser is read at the peak, never at the target."""
+    h, w, t, wt = _inputs(11, 16, 50, seed=3)
+    h = h * 80  # logit ranges of several hundred
+    logits = h.double() @ w.double().t()
+    t = logits.argmin(-1)  # every target the least likely token
+    assert (logits.amax(-1) - logits.gather(1, t[:, None]).squeeze(1)).min() > 150
+    h32, h64 = h.clone().requires_grad_(), h.double().requires_grad_()
+    got = linear_cross_entropy(h32, w, t, wt)
+    ref = _reference(h64, w.double(), t, wt.double())
+    got.backward()
+    ref.backward()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_frozen_head_and_no_grad() -> None:
     h, w, t, wt = _inputs(9, 8, 30, seed=1)
     hg = h.clone().requires_grad_()

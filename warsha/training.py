@@ -325,7 +325,7 @@ class Trainer:
         older checkpoints deleted. A kill or a full disk at any point leaves the previous
         checkpoint in charge and at most a ``.tmp`` that is ignored.
         """
-        root = self._ckpt_root()
+        root, t0 = self._ckpt_root(), time.perf_counter()
         tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -343,7 +343,7 @@ class Trainer:
             for old in root.glob("step-*"):
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
-            log.info("%s: checkpoint at step %d", self.name, step)
+            log.info("%s: checkpoint at step %d (%.1f s)", self.name, step, time.perf_counter() - t0)
         acc.wait_for_everyone()
 
     def _latest(self) -> tuple[Path, dict[str, Any]] | None:

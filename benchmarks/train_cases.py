@@ -96,7 +96,9 @@ def adapt(args: argparse.Namespace) -> Case:
     _seeded_model(_llama_config(EXTENDED_VOCAB)).save_pretrained(model_dir)
     new_ids = list(range(BASE_VOCAB, EXTENDED_VOCAB))
     return _causal_lm_case(
-        lambda: qlora.load(model_dir, new_ids, False, 16, 32, 0.0, True, False, bf16=False), EXTENDED_VOCAB, args
+        lambda: qlora.load(model_dir, new_ids, False, 16, 32, 0.0, True, False, bf16=False, seed=0),
+        EXTENDED_VOCAB,
+        args,
     )
 
 

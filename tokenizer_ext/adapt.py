@@ -198,6 +198,7 @@ def _train_qlora(
         p.double_quant,
         p.full_embeddings,
         bf16=p.train.bf16,
+        seed=ctx.seed,
     )
     trainable, total = qlora.trainable_count(model)
     trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", eval_fn=eval_fn)

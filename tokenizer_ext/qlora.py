@@ -47,8 +47,15 @@ def load(
     double_quant: bool,
     full_embeddings: bool,
     bf16: bool | None = None,
+    seed: int | None = None,
 ) -> Any:
-    """The 4-bit base wrapped in a LoRA model with the new rows (or matrices) trainable."""
+    """The 4-bit base wrapped in a LoRA model with the new rows (or matrices) trainable.
+
+    ``seed`` fixes LoRA's random initial A matrices. peft draws them from torch's global
+    generator, so without it they depend on whatever the process drew before (a stage run alone
+    and the same stage inside a whole recipe would start from different adapters).
+    """
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -73,6 +80,8 @@ def load(
     cfg = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM", **extra
     )
+    if seed is not None:
+        torch.manual_seed(seed)
     peft_model = get_peft_model(model, cfg)
     for q in peft_model.parameters():  # trainable weights in fp32; autocast (if bf16) does the math
         if q.requires_grad:

@@ -52,6 +52,22 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
     assert m["extended"]["trainable_new_rows"] == n_new and "base_same_budget" not in m
 
 
+def test_lora_initialisation_follows_the_seed_not_the_process(sp_embedded_dir: Path) -> None:
+    """Two loads with the same seed start from the same adapter whatever was drawn before them;
+    another seed starts elsewhere (peft draws LoRA's A matrices from torch's global generator)."""
+    from tokenizer_ext import qlora
+
+    def lora_a(seed: int, draws: int) -> dict[str, torch.Tensor]:
+        torch.rand(draws)  # what earlier work in the process consumed
+        model = qlora.load(sp_embedded_dir, [32000], False, 4, 8, 0.0, False, False, bf16=False, seed=seed)
+        return {n: q.detach().clone() for n, q in model.named_parameters() if "lora_A" in n}
+
+    first, again, other = lora_a(7, 1), lora_a(7, 1000), lora_a(8, 1)
+    assert first and first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
 @pytest.mark.slow
 def test_qlora_same_budget_comparison(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")

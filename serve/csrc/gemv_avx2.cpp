@@ -58,7 +58,8 @@ struct Bf16Rows {
   }
   inline float scalar(int64_t n, int64_t k) const { return bf16_to_float(w[n * K + k]); }
   // a block is one 64-byte cache line
-  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T0); }
+  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T1); }
+  static constexpr int64_t bytes(int64_t features) { return 2 * features; }
 };
 
 // Four float32 vectors of 32 consecutive float32 weights of row `n` (read as they are).
@@ -73,9 +74,10 @@ struct F32Rows {
   // a block is two 64-byte cache lines
   inline void prefetch(int64_t n, int64_t k) const {
     const char* p = reinterpret_cast<const char*>(w + n * K + k);
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
+    _mm_prefetch(p, _MM_HINT_T1);
+    _mm_prefetch(p + 64, _MM_HINT_T1);
   }
+  static constexpr int64_t bytes(int64_t features) { return 4 * features; }
 };
 
 // Four float32 vectors of 32 int8 weights of row `n`, from input feature k (the row's scale is
@@ -91,8 +93,9 @@ struct Int8Rows {
   inline float scalar(int64_t n, int64_t k) const { return static_cast<float>(q[n * K + k]); }
   // two blocks share a 64-byte cache line: one prefetch per line
   inline void prefetch(int64_t n, int64_t k) const {
-    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * K + k), _MM_HINT_T0);
+    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * K + k), _MM_HINT_T1);
   }
+  static constexpr int64_t bytes(int64_t features) { return features; }
 };
 
 // Four float32 vectors of 32 dequantized int4 weights of row `n`, from input feature k.
@@ -119,39 +122,46 @@ struct Int4Rows {
   inline float scalar(int64_t, int64_t) const { return 0.f; }  // K is a multiple of 32: no tail
   // four blocks share a 64-byte cache line: one prefetch per line
   inline void prefetch(int64_t n, int64_t k) const {
-    if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * (K / 2) + k / 2), _MM_HINT_T0);
+    if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * (K / 2) + k / 2), _MM_HINT_T1);
   }
+  static constexpr int64_t bytes(int64_t features) { return features / 2; }
 };
 
 // y[r, n] = sum_k x[r, k] * W[n, k] for R rows and outputs [n0, n1). A independent
 // accumulators per row hide FMA latency when R is small.
-// With two or more rows the loop is bound by arithmetic and the hardware prefetcher falls
-// behind: each block also prefetches the same block of the next output's weights, which took
-// 5 rows over a 16-layer model's linears from 25 to 18 ms (1 row: 14.6 ms, unchanged; it
-// streams one weight row at memory speed without help, and prefetching slowed it slightly).
+// With two or more rows the loop does enough arithmetic per cache line that the hardware
+// prefetchers alone no longer keep enough reads in flight: time became memory time plus
+// arithmetic time instead of the larger of the two. Each block therefore asks for the same block
+// of the output `ahead` rows on, into L2, about kL2Ahead bytes ahead of the reads (on a 278k x 640
+// float32 head, Zen 4: 5 rows went from 1.5x to 1.05x one row's time; prefetching into L1, or
+// only one row ahead, as before, left 3-5 rows at 1.3-1.7x). A single row keeps the hardware
+// prefetcher alone: it streams one weight row at memory speed.
 // Input features are walked in chunks when the R activation rows being reused would not stay in
 // L1 (5 rows x 2816 float32 features: the down projection ran slower than MKL); a single row
 // keeps whole weight rows, which the prefetcher streams best (chunking it cost up to 2x).
+constexpr int64_t kL2Ahead = 32 * 1024;  // bytes of weights between a prefetch and its use
+
 inline int64_t feature_chunk(int R, int64_t K) {
   constexpr int64_t kL1Budget = 24 * 1024;
   if (R * K * 4 <= kL1Budget) return K;
   return std::max<int64_t>(kChunk, (kL1Budget / (4 * R)) / kChunk * kChunk);
 }
 
-template <int R, int A, typename Weights, bool Prefetch = true>
+template <int R, int A, typename Weights>
 void rows_kernel(const Weights& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t chunk = feature_chunk(R, K);
+  const int64_t ahead = (kL2Ahead + Weights::bytes(chunk) - 1) / Weights::bytes(chunk);  // rows
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
     for (int64_t n = n0; n < n1; ++n) {
       __m256 acc[R][A];
       for (int r = 0; r < R; ++r)
         for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-      const bool prefetch = Prefetch && R >= 2 && n + 1 < N;
+      const bool prefetch = R >= 2 && n + ahead < N;
       int64_t k = k0;
       for (; k + kBlock <= k1; k += kBlock) {
         __m256 w[4];
-        if (prefetch) W.prefetch(n + 1, k);
+        if (prefetch) W.prefetch(n + ahead, k);
         W.block(n, k, w);
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * K + k;
@@ -187,19 +197,11 @@ void dispatch_rows(int rows, const Weights& W, const float* x, int64_t K, int64_
   }
 }
 
-// Float32 weights (twice the bytes per FMA of bf16) at 2-4 rows: fewer accumulators, and no
-// software prefetch at 2 and 4 rows. On a wide float32 LM head the generic choices ran 2-4 rows
-// well below one row's memory speed although the product is bound by memory either way; these
-// bring 2 rows to one row's speed and 3-4 rows closer (figures in docs/results.md). The
-// verification chunks of a speculative step are 2-5 rows, so on a float32 model with a large
-// vocabulary this is most of what a drafted token costs.
+// Float32 weights at 2 rows: two accumulators per row (four, as for bf16, ran 2 rows at 0.86x of
+// this on a wide float32 head).
 void dispatch_f32_rows(int rows, const F32Rows& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
-  switch (rows) {
-    case 2: return rows_kernel<2, 2, F32Rows, false>(W, x, K, N, n0, n1, y);
-    case 3: return rows_kernel<3, 1, F32Rows, true>(W, x, K, N, n0, n1, y);
-    case 4: return rows_kernel<4, 1, F32Rows, false>(W, x, K, N, n0, n1, y);
-    default: return dispatch_rows(rows, W, x, K, N, n0, n1, y);
-  }
+  if (rows == 2) return rows_kernel<2, 2>(W, x, K, N, n0, n1, y);
+  dispatch_rows(rows, W, x, K, N, n0, n1, y);
 }
 
 // The activations as float32 without a torch op (bf16 widened here): per-op dispatch costs more

@@ -47,8 +47,8 @@ def test_bf16_kernel_is_float32_accumulation_of_bf16_values(rows: int, n: int, k
     assert torch.equal(cpu_kernels.gemv_bf16(x.float(), w, torch.float32), got32.float())  # float32 input, same values
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
-@pytest.mark.parametrize("n, k", [(300, 96), (77, 200), (64, 37)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("n, k", [(300, 96), (77, 200), (64, 37), (90, 2816)])  # 2816: features walked in chunks
 def test_f32_kernel_is_float32_accumulation(rows: int, n: int, k: int) -> None:
     """float32 weights read in place: the exact product within float32 accumulation error, in
     float32 or rounded once to bf16."""

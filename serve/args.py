@@ -30,6 +30,9 @@ class EngineArgs:
     (`serve.head_quant`); "none" serves the checkpoint's head. `draft_dtype`: the draft's weight
     and KV dtype (None: `dtype`); the draft only proposes, so its precision moves acceptance,
     never the output, and a bfloat16 draft reads half the bytes of a float32 one.
+    `draft_head_quant`: the draft's LM head, "auto" (int8 on CPU where serve's kernels run, as
+    `head_quant="int8"` always makes it; otherwise the checkpoint's), "int8" or "none". Like
+    `draft_dtype` it moves acceptance only: every drafted token is verified by the target.
     """
 
     dtype: str = "bfloat16"
@@ -51,6 +54,7 @@ class EngineArgs:
     attention_backend: str | None = None
     int4_activations: str = "int8"
     head_quant: str = "none"
+    draft_head_quant: str = "auto"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -72,6 +76,10 @@ class EngineArgs:
             out.append(f"head_quant={self.head_quant!r}; use one of {', '.join(HEAD_QUANTS)}")
         elif self.head_quant == "int8" and self.device != "cpu":
             out.append(f"head_quant='int8' runs on the CPU only (device={self.device!r}); use head_quant='none'")
+        if self.draft_head_quant not in ("auto", *HEAD_QUANTS):
+            out.append(f"draft_head_quant={self.draft_head_quant!r}; use one of auto, {', '.join(HEAD_QUANTS)}")
+        elif self.draft_head_quant == "int8" and self.device != "cpu":
+            out.append(f"draft_head_quant='int8' runs on the CPU only (device={self.device!r}); use auto or none")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")

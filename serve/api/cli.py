@@ -124,6 +124,13 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
         " may differ from the checkpoint's at near-ties); none: the checkpoint's head (default: %(default)s)",
     )
     p.add_argument(
+        "--draft-head-quant",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="the draft's LM head: int8 reads a quarter of float32's bytes per drafted token and moves only"
+        " acceptance, never outputs; auto: int8 on CPU where serve's kernels run (default: %(default)s)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,

@@ -6,7 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve import LLM, AdmissionError, SamplingParams
+from serve import LLM, AdmissionError, SamplingParams, cpu_kernels
+from serve.args import EngineArgs
+from serve.head_quant import Int8Linear
+from serve.quant import DenseLinear
 from tests.serve.conftest import hf_model, make_model, write_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -94,6 +97,30 @@ def test_bfloat16_draft_under_a_float32_target_keeps_outputs(spec_pair: tuple[Pa
     finish(llm)
     with pytest.raises(ValueError, match="draft_dtype='float16'"):
         LLM(target, draft, draft_dtype="float16")
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the int8 head needs serve's AVX2 kernels")
+def test_draft_head_is_int8_by_default_on_cpu_and_keeps_outputs(
+    spec_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto: the draft's head in int8 (acceptance may move, the target's greedy output may not);
+    none, or no kernels, keeps the checkpoint's head; the target's head is never touched."""
+    target, draft = spec_pair
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(target, dtype="float32").generate(prompts, params)]
+    for choice, head_type in (("auto", Int8Linear), ("none", DenseLinear)):
+        llm = LLM(target, draft, dtype="float32", draft_head_quant=choice, adaptive_speculation=False, block_size=4)
+        assert isinstance(llm.runner.draft.head, head_type) and isinstance(llm.runner.target.head, DenseLinear)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+        assert llm.stats.acceptance_rate > 0.5
+        finish(llm)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert isinstance(LLM(target, draft, dtype="float32").runner.draft.head, DenseLinear)
+    with pytest.raises(ValueError, match="draft_head_quant='int4'"):
+        EngineArgs(draft_head_quant="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineArgs(draft_head_quant="int8", device="cuda")
 
 
 def test_speculation_with_rejections_sampling_and_tiny_pool(tiny_dir: Path, draft_dir: Path, reference_outputs) -> None:  # noqa: ANN001

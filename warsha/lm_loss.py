@@ -12,8 +12,12 @@ memory is bounded by ``CHUNK_ELEMENTS`` logits whatever the batch, as in Liger-K
 linear cross-entropy.
 
 The fused path needs the head as a plain weight: models wrapped for data parallelism
-(DDP, DeepSpeed, FSDP expose ``.module``), heads wrapped by peft, biased heads, and families
-that transform logits after the head (softcapping, logit scales) take the model's own forward.
+(DDP, DeepSpeed, FSDP expose ``.module``), biased heads, heads wrapped by peft other than its
+trainable-token rows, and families that transform logits after the head (softcapping, logit
+scales) take the model's own forward. peft's trainable tokens (the adapt stage's new rows) are
+fused: the head's weight is the base weight with the trained rows written in, as peft's own
+forward builds it, so without fusing the extended model materialized ``[tokens, vocab]`` logits
+and trained at a third of the unextended model's speed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,25 @@ def linear_cross_entropy(
     int64, ``weights`` [N] (0 drops a row). Logits are formed in float32; gradients come back
     in the inputs' dtypes.
     """
-    return _LinearCrossEntropy.apply(hidden, weight, targets, weights)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, None, None)
+
+
+def linear_cross_entropy_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: torch.Tensor,
+    row_values: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """``linear_cross_entropy`` with a head whose rows ``rows`` hold ``row_values`` (``weight``
+    already holds them too), differentiable in ``row_values`` only.
+
+    Why: when only a few rows of a large head train (the adapt stage's 16,000 new pieces of a
+    278k-row head), the weight gradient is needed for those rows alone; the full-matrix gradient
+    costs as much as the logits themselves and is then mostly discarded.
+    """
+    return _LinearCrossEntropy.apply(hidden, weight.detach(), targets, weights, rows, row_values)
 
 
 def _chunk_rows(vocab: int) -> int:
@@ -48,11 +70,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and, when asked for, both gradients; backward scales them."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, weights: Any) -> Any:  # noqa: D102
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, weights: Any, rows: Any, row_values: Any) -> Any:  # noqa: D102
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[5]
+        ctx.rows_only = rows is not None
         scale = weights.float() / weights.float().sum()
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        w_shape = (len(rows), weight.shape[1]) if rows is not None else weight.shape
+        grad_w = torch.zeros(w_shape, dtype=torch.float32, device=weight.device) if want_w else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         step = _chunk_rows(weight.shape[0])
         for s in range(0, hidden.shape[0], step):
@@ -67,19 +91,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[s:e] = torch.mm(probs.to(weight.dtype), weight).mul_(w.to(weight.dtype))
             if grad_w is not None:
-                grad_w.addmm_(probs.t(), h.float() * w)
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+                d_logits = probs if rows is None else probs.index_select(1, rows)
+                grad_w.addmm_(d_logits.t(), h.float() * w)
+        w_dtype = weight.dtype if rows is None else row_values.dtype
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(w_dtype))
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:  # noqa: D102
         grad_h, grad_w = ctx.saved_tensors
-        return (
-            None if grad_h is None else grad_h * grad.to(grad_h.dtype),
-            None if grad_w is None else grad_w * grad.to(grad_w.dtype),
-            None,
-            None,
-        )
+        grad_h = None if grad_h is None else grad_h * grad.to(grad_h.dtype)
+        grad_w = None if grad_w is None else grad_w * grad.to(grad_w.dtype)
+        if ctx.rows_only:
+            return grad_h, None, None, None, None, grad_w
+        return grad_h, grad_w, None, None, None, None
 
 
 def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,15 +125,64 @@ def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tens
     return probs, lse - target_logit
 
 
+class TrainableTokensHead:
+    """A peft trainable-tokens head seen as a plain one: ``weight`` is the base weight with the
+    adapter's rows written in (differentiable in those rows), exactly the matrix its forward uses."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        layer = self.layer
+        if layer.merged or layer.disable_adapters or not layer.active_adapters:
+            return layer.base_layer.weight
+        return layer.get_merged_weights(layer.active_adapters)
+
+    def trained_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(row ids, their trainable values) of the one active adapter, or None (adapters off,
+        merged, or several active: then ``weight`` alone is right)."""
+        layer = self.layer
+        active = layer.active_adapters
+        if layer.merged or layer.disable_adapters or len(active) != 1:
+            return None
+        values = layer.trainable_tokens_delta[active[0]]
+        ids = torch.as_tensor(layer.token_indices[active[0]], dtype=torch.long, device=values.device)
+        return ids, values
+
+
+def head_loss(hidden: torch.Tensor, head: Any, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The fused loss against ``head`` (from ``plain_head``); a trainable-tokens head's weight
+    gradient is formed for its trained rows only."""
+    trained = head.trained_rows() if isinstance(head, TrainableTokensHead) else None
+    if trained is None or not trained[1].requires_grad:
+        return linear_cross_entropy(hidden, head.weight, targets, weights)
+    ids, values = trained
+    return linear_cross_entropy_rows(hidden, head.weight, ids, values, targets, weights)
+
+
+def _plain_linear(head: Any) -> bool:
+    return type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id")
+
+
+def _fusable_head(head: Any) -> Any | None:
+    """The head itself, its trainable-tokens view, or None when only its forward is right."""
+    if _plain_linear(head):
+        return head
+    head = getattr(head, "token_adapter", head)  # peft's wrapper forwards to its token layer, on or off
+    if callable(getattr(head, "get_merged_weights", None)) and _plain_linear(getattr(head, "base_layer", None)):
+        return TrainableTokensHead(head)
+    return None
+
+
 def plain_head(model: Any) -> tuple[Any, Any] | None:
-    """(decoder, head) when the fused loss may bypass the model's forward, else None."""
+    """(decoder, head) when the fused loss may bypass the model's forward, else None; ``head``
+    has the ``weight`` the model's forward multiplies by."""
     if hasattr(model, "module") or not hasattr(model, "get_decoder"):
         return None  # a data-parallel wrapper must be called as a whole, or gradients never sync
-    head = model.get_output_embeddings()
+    head = _fusable_head(model.get_output_embeddings())
     config = getattr(model, "config", None)
-    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head.weight, "ds_id"):
-        return None
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+    if head is None or any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
         return None
     return model.get_decoder(), head
 
@@ -127,7 +201,7 @@ def causal_lm_loss(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     hidden = decoder(input_ids=ids).last_hidden_state[:, :-1]
     targets = labels[:, 1:].to(hidden.device)
     keep = targets != IGNORE_INDEX
-    return linear_cross_entropy(hidden[keep], head.weight, targets[keep], keep[keep].float())
+    return head_loss(hidden[keep], head, targets[keep], keep[keep].float())
 
 
 def weighted_lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -150,4 +224,4 @@ def weighted_lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor
     decoder, head = parts
     hidden = decoder(input_ids=ids).last_hidden_state[:, :-1]
     keep = weights > 0
-    return linear_cross_entropy(hidden[keep], head.weight, ids[:, 1:][keep], weights[keep])
+    return head_loss(hidden[keep], head, ids[:, 1:][keep], weights[keep])

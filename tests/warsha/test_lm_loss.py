@@ -133,3 +133,39 @@ def test_wrapped_or_transformed_heads_take_the_model_forward() -> None:
     assert lm_loss.plain_head(wrapper) is None
     model.config.final_logit_softcapping = 30.0
     assert lm_loss.plain_head(model) is None
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_peft_trainable_token_rows_are_fused_and_equal_the_model_forward(tie: bool) -> None:
+    """The adapt stage's head: LoRA on the linears and peft's trainable rows for new ids. The fused
+    loss must see the rows the adapter trained (not the base's) and give their gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _tiny_llama(tie)
+    heads = ["embed_tokens"] if tie else ["embed_tokens", "lm_head"]
+    new_ids = [90, 91, 95, 96]
+    cfg = LoraConfig(r=4, target_modules="all-linear", trainable_token_indices={h: new_ids for h in heads})
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():  # trained rows that differ from the base's
+        for name, p in peft_model.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.add_(torch.randn_like(p))
+    parts = lm_loss.plain_head(peft_model)
+    assert parts is not None and isinstance(parts[1], lm_loss.TrainableTokensHead)
+    ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(5))
+    ids[:, ::3] = torch.tensor(new_ids).repeat(7)[: ids[:, ::3].numel()].reshape(3, -1)  # the new ids are targets
+    ours = causal_lm_loss(peft_model, {"input_ids": ids})
+    ours.backward()
+    g_ours = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
+    peft_model.zero_grad()
+    ref = peft_model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    g_ref = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    assert g_ours.keys() == g_ref.keys() and any("trainable_tokens_delta" in n for n in g_ref)
+    for name in g_ref:
+        torch.testing.assert_close(g_ours[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    with peft_model.disable_adapter():  # adapters off: the base head, as the forward uses
+        base = lm_loss.plain_head(peft_model)[1].layer.base_layer.weight
+        assert torch.equal(lm_loss.plain_head(peft_model)[1].weight, base)
+    assert not torch.equal(lm_loss.plain_head(peft_model)[1].weight, base)  # on again: the trained rows

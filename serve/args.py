@@ -33,6 +33,9 @@ class EngineArgs:
     `draft_head_quant`: the draft's LM head, "auto" (int8 on CPU where serve's kernels run, as
     `head_quant="int8"` always makes it; otherwise the checkpoint's), "int8" or "none". Like
     `draft_dtype` it moves acceptance only: every drafted token is verified by the target.
+    `prompt_lookup_max` > 0 drafts by prompt lookup (`serve.prompt_lookup`): the tokens that
+    followed the latest earlier occurrence of the request's last `prompt_lookup_max` down to
+    `prompt_lookup_min` tokens; with a draft model, the model drafts where no lookup is found.
     """
 
     dtype: str = "bfloat16"
@@ -55,6 +58,8 @@ class EngineArgs:
     int4_activations: str = "int8"
     head_quant: str = "none"
     draft_head_quant: str = "auto"
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -85,6 +90,16 @@ class EngineArgs:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_speculative_tokens < 1:
             out.append(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_max < 0 or self.prompt_lookup_min < 1:
+            out.append(
+                f"prompt_lookup_max={self.prompt_lookup_max}, prompt_lookup_min={self.prompt_lookup_min}:"
+                " use prompt_lookup_max >= 0 (0: off) and prompt_lookup_min >= 1"
+            )
+        elif self.prompt_lookup_max and self.prompt_lookup_min > self.prompt_lookup_max:
+            out.append(
+                f"prompt_lookup_min={self.prompt_lookup_min} exceeds prompt_lookup_max={self.prompt_lookup_max};"
+                " lower the minimum or raise the maximum"
+            )
         if self.num_kv_blocks is None and not self.kv_cache_memory_gb > 0:
             out.append(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -114,8 +114,12 @@ class LLM:
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         draft_kv = draft.new_kv_cache(num_blocks, block_size) if draft else None
-        self.runner = ModelRunner(target, target.new_kv_cache(num_blocks, block_size), draft, draft_kv, args.seed)
-        self.spec = SpecController(args.num_speculative_tokens, args.adaptive_speculation) if draft else None
+        lookup = (args.prompt_lookup_min, args.prompt_lookup_max) if args.prompt_lookup_max else None
+        self.runner = ModelRunner(
+            target, target.new_kv_cache(num_blocks, block_size), draft, draft_kv, args.seed, lookup
+        )
+        speculates = draft is not None or lookup is not None
+        self.spec = SpecController(args.num_speculative_tokens, args.adaptive_speculation) if speculates else None
         self.sampler = Sampler(args.seed)
         self.stats = EngineStats()
         self._generators: dict[str, torch.Generator] = {}
@@ -362,7 +366,9 @@ class LLM:
             # target K/V is valid for the last token and the m accepted drafts; the draft wrote
             # positions up to n + k - 2. num_new_tokens (1) is added back in _commit.
             seq.num_computed_tokens = n + m - 1
-            seq.draft_num_computed_tokens = min(n - 1 + k, n + m)
+            looked_up = bool(proposal.looked_up and proposal.looked_up[j])
+            if not looked_up:  # a looked-up row left the draft where it was
+                seq.draft_num_computed_tokens = min(n - 1 + k, n + m)
             out[row] = [(int(t), None) for t in res.tokens[j, : m + 1]]
             if self.spec is not None:
                 self.spec.observe(seq.request_id, k, m)
@@ -370,6 +376,10 @@ class LLM:
             self.stats.spec_accepted += m
             self.stats.spec_verifications += 1
             self.stats.spec_emitted += m + 1
+            seq.draft_sources.observe(looked_up, m)
+            if looked_up:
+                self.stats.lookup_proposed += k
+                self.stats.lookup_accepted += m
         return out
 
     def _commit(self, batch: ScheduledBatch, new_tokens: NewTokens, proposal: Proposal | None) -> list[RequestOutput]:
@@ -409,7 +419,9 @@ class LLM:
             if speculated or batch.num_spec_tokens[i]:
                 self.block_manager.trim(seq, seq.num_tokens)
             ready = (
-                min(seq.num_computed_tokens, seq.draft_num_computed_tokens) if self.spec else seq.num_computed_tokens
+                min(seq.num_computed_tokens, seq.draft_num_computed_tokens)
+                if self.runner.draft is not None
+                else seq.num_computed_tokens
             )
             self.block_manager.cache_full_blocks(seq, ready)
         return self._output(seq, appended) if appended or seq.is_finished else None

@@ -14,6 +14,7 @@ import torch
 from serve.attention import SeqChunk
 from serve.kv_cache import KVCache
 from serve.model import ForwardBatch, LlamaModel
+from serve.prompt_lookup import lookup
 from serve.sampler import SamplingParams, draw, exponential_noise, param_tensors, process_logits
 from serve.scheduler import ScheduledBatch
 from serve.sequence import Sequence
@@ -28,6 +29,7 @@ class Proposal:
     tokens: torch.Tensor  # [S, kmax] (padding 0)
     probs: torch.Tensor | None  # [S, kmax, V] (padding 0); None when every speculating row is greedy
     counts: torch.Tensor  # [S] real drafts per row
+    looked_up: list[bool] | None = None  # per row: drafted by prompt lookup (None: all by the draft model)
 
 
 @dataclass
@@ -65,10 +67,18 @@ class ModelRunner:
     """Target (and optional draft) model with their paged caches."""
 
     def __init__(
-        self, target: LlamaModel, target_kv: KVCache, draft: LlamaModel | None, draft_kv: KVCache | None, seed: int
+        self,
+        target: LlamaModel,
+        target_kv: KVCache,
+        draft: LlamaModel | None,
+        draft_kv: KVCache | None,
+        seed: int,
+        lookup: tuple[int, int] | None = None,
     ) -> None:
+        """`lookup`: (min_n, max_n) of prompt lookup (`serve.prompt_lookup`), None for none."""
         self.target, self.target_kv = target, target_kv
         self.draft, self.draft_kv = draft, draft_kv
+        self.lookup_sizes = lookup
         self.generator = torch.Generator().manual_seed(seed + 1)
         self.num_draft_forwards = 0
         self.num_target_forwards = 0
@@ -82,33 +92,80 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- draft
     def propose(self, batch: ScheduledBatch, generators: dict[str, torch.Generator]) -> Proposal | None:
-        """Run the draft over prefill chunks (to keep its cache in step) and propose for speculators."""
+        """Drafts for the speculating rows: a prompt lookup where one is found (`lookup` set),
+        the draft model for the rest. The draft also runs over prefill chunks to keep its cache
+        in step; rows that looked up skip it and it catches up when it next proposes for them."""
+        spec_rows = [i for i, k in enumerate(batch.num_spec_tokens) if k > 0]
+        looked = self._look_up(batch, spec_rows)
+        model_rows = [i for i in spec_rows if i not in looked] if self.draft is not None else []
+        logits = self._draft_catch_up(batch, model_rows)
+        drafted = (
+            self._propose_rest(batch, model_rows, logits, generators) if logits is not None and model_rows else None
+        )
+        return self._merge(batch, looked, drafted)
+
+    def _look_up(self, batch: ScheduledBatch, rows: list[int]) -> dict[int, list[int]]:
+        """Row -> tokens copied from its own context, for rows where a lookup finds any."""
+        if self.lookup_sizes is None:
+            return {}
+        if self.draft is not None:  # beside a draft model, only where lookups have paid as well
+            rows = [i for i in rows if batch.seqs[i].draft_sources.prefers_lookup()]
+        found = {i: lookup(batch.seqs[i].token_ids, batch.num_spec_tokens[i], *self.lookup_sizes) for i in rows}
+        return {i: toks for i, toks in found.items() if toks}
+
+    def _draft_catch_up(self, batch: ScheduledBatch, model_rows: list[int]) -> torch.Tensor | None:
+        """One draft forward over prefill chunks and each model row's missed tokens; the logits
+        of the model rows' last positions (None when the draft had nothing to run)."""
         if self.draft is None or self.draft_kv is None:
             return None
-        spec_rows = [i for i, k in enumerate(batch.num_spec_tokens) if k > 0]
         self.last_draft_catch_up = max(
-            (batch.seqs[i].num_tokens - batch.seqs[i].draft_num_computed_tokens for i in spec_rows), default=0
+            (batch.seqs[i].num_tokens - batch.seqs[i].draft_num_computed_tokens for i in model_rows), default=0
         )
         seqs, starts, toks, logit_rows = [], [], [], []
         for i, seq in enumerate(batch.seqs):
-            if i not in spec_rows and seq.is_decoding:
-                continue  # plain decode steps leave the draft behind; it catches up when it next proposes
+            if i not in model_rows and seq.is_decoding:
+                continue  # decode steps without the draft leave it behind; it catches up when it next proposes
             start = seq.draft_num_computed_tokens
-            end = seq.num_tokens if i in spec_rows else seq.num_computed_tokens + batch.num_new_tokens[i]
+            end = seq.num_tokens if i in model_rows else seq.num_computed_tokens + batch.num_new_tokens[i]
             if end <= start:
                 continue
             seqs.append(seq)
             starts.append(start)
             toks.append(seq.token_ids[start:end])
-            logit_rows.append([end - start - 1] if i in spec_rows else [])
+            logit_rows.append([end - start - 1] if i in model_rows else [])
             seq.draft_num_computed_tokens = end
         if not seqs:
             return None
         logits = self.draft.forward(build_forward(seqs, starts, toks, logit_rows), self.draft_kv)
         self.num_draft_forwards += 1
-        if not spec_rows:
-            return None
-        return self._propose_rest(batch, spec_rows, logits, generators)
+        return logits
+
+    def _merge(self, batch: ScheduledBatch, looked: dict[int, list[int]], drafted: Proposal | None) -> Proposal | None:
+        """One proposal from the looked-up rows and the draft model's. A looked-up token is a
+        certain guess, so its q is one-hot: rejection sampling then accepts it with probability
+        p(token) and redraws from p without it, which keeps sampled outputs exact."""
+        if not looked:
+            return drafted
+        rows = sorted([*looked, *(drafted.rows if drafted else [])])
+        counts = torch.tensor([len(looked[i]) if i in looked else 0 for i in rows])
+        tokens = torch.zeros(
+            len(rows), max(int(counts.max()), drafted.tokens.shape[1] if drafted else 0), dtype=torch.long
+        )
+        for j, i in enumerate(rows):
+            if i in looked:
+                tokens[j, : len(looked[i])] = torch.tensor(looked[i])
+        if drafted is not None:
+            at = [rows.index(i) for i in drafted.rows]
+            tokens[at, : drafted.tokens.shape[1]] = drafted.tokens
+            counts[at] = drafted.counts
+        probs = None
+        if not all(batch.seqs[i].params.greedy for i in rows):
+            probs = torch.zeros(len(rows), tokens.shape[1], self.target.lm_head.shape[0])
+            probs.scatter_(2, tokens[..., None], 1.0)
+            probs *= (torch.arange(tokens.shape[1])[None, :] < counts[:, None])[..., None]
+            if drafted is not None and drafted.probs is not None:
+                probs[at, : drafted.tokens.shape[1]] = drafted.probs
+        return Proposal(rows=rows, tokens=tokens, probs=probs, counts=counts, looked_up=[i in looked for i in rows])
 
     def _draft_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of draft logit columns (they differ when the draft's head is restricted)."""

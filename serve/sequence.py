@@ -32,6 +32,35 @@ class SequenceStatus(enum.Enum):
 
 
 @dataclass
+class DraftSources:
+    """Which proposer has paid for this request lately: decayed drafted tokens accepted per
+    verification, for prompt lookup and for the draft model.
+
+    A lookup preempts the draft model only while it has done at least as well: on text that
+    loops it wins outright; on text a good draft predicts, a lookup that merely found an earlier
+    n-gram would cost the draft's better guesses (and a catch-up forward when the draft resumes).
+    A source not yet measured is tried first; one left unused keeps its last record until the
+    other falls below it."""
+
+    lookup: float | None = None
+    model: float | None = None
+    decay: float = 0.7
+
+    def observe(self, looked_up: bool, accepted: int) -> None:
+        """A verification of drafts from one source accepted ``accepted`` of them."""
+        old = self.lookup if looked_up else self.model
+        new = accepted if old is None else self.decay * old + (1 - self.decay) * accepted
+        if looked_up:
+            self.lookup = new
+        else:
+            self.model = new
+
+    def prefers_lookup(self) -> bool:
+        """Whether a found lookup should be used over the draft model this step."""
+        return self.lookup is None or self.model is None or self.lookup >= self.model
+
+
+@dataclass
 class Sequence:
     """One request and everything the engine tracks about it.
 
@@ -51,6 +80,7 @@ class Sequence:
     group_tables: list[list[int]] = field(default_factory=list)  # tables of block groups 1.. (`serve.kv_layout`)
     block_hashes: list[bytes] = field(default_factory=list)
     spec_allowed: bool = True
+    draft_sources: DraftSources = field(default_factory=DraftSources)
     spec_window: int | None = None  # this step's draft window from the engine's plan (None: no limit)
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None

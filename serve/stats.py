@@ -29,6 +29,8 @@ class EngineStats:
     spec_verifications: int = 0
     spec_emitted: int = 0
     spec_steps: int = 0
+    lookup_proposed: int = 0  # the part of spec_proposed / spec_accepted that prompt lookup drafted
+    lookup_accepted: int = 0
     plain_decode_steps: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -73,6 +75,17 @@ class EngineStats:
         return self.spec_accepted / self.spec_proposed if self.spec_proposed else None
 
     @property
+    def lookup_acceptance_rate(self) -> float | None:
+        """Accepted / proposed over the tokens prompt lookup drafted."""
+        return self.lookup_accepted / self.lookup_proposed if self.lookup_proposed else None
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / proposed over the tokens the draft model drafted."""
+        proposed = self.spec_proposed - self.lookup_proposed
+        return (self.spec_accepted - self.lookup_accepted) / proposed if proposed else None
+
+    @property
     def mean_accepted_length(self) -> float | None:
         """Tokens emitted per target forward, per sequence, over speculative verifications."""
         return self.spec_emitted / self.spec_verifications if self.spec_verifications else None
@@ -106,6 +119,9 @@ class EngineStats:
             "preemptions": self.num_preemptions,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "lookup_share": self.lookup_proposed / self.spec_proposed if self.spec_proposed else None,
+            "lookup_acceptance_rate": self.lookup_acceptance_rate,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
             "spec_steps": self.spec_steps,
             "plain_decode_steps": self.plain_decode_steps,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,

@@ -47,6 +47,15 @@ class ValidateParams:
             " down to none; false drafts num_speculative_tokens for every request at every step"
         ),
     )
+    prompt_lookup_max: int = field(
+        default=0,
+        metadata=check(
+            ge(0),
+            help="also draft by prompt lookup (copy what followed an earlier occurrence of the last"
+            " 2..N tokens; the draft model drafts where none is found); 0: the draft model alone. When on,"
+            " the draft alone is measured too, so the report shows what each proposer buys",
+        ),
+    )
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     dtype: Literal["bfloat16", "float32"] = field(
         default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties")
@@ -132,8 +141,6 @@ def _stats(engine: Any, wall: float, tokens: int) -> dict[str, Any]:
 
 def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
     """Plain vs speculative at each batch size; equality of greedy outputs."""
-    from serve.engine import LLM
-
     prompts = workload(ctx, p)
     metrics: dict[str, Any] = {
         "num_prompts": len(prompts),
@@ -142,46 +149,67 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
         "k": p.num_speculative_tokens,
         "adaptive_speculation": p.adaptive_speculation,
         "int4_activations": p.int4_activations,
+        "prompt_lookup_max": p.prompt_lookup_max,
     }
     identical, real = True, 0
     for bs in p.batch_sizes:
-        common = {
-            "dtype": p.dtype,
-            "max_num_seqs": bs,
-            "kv_cache_memory_gb": p.kv_cache_memory_gb,
-            "int4_activations": p.int4_activations,
-        }
-        plain_engine = LLM(ctx.model_dir, **common)
-        spec_engine = LLM(
-            ctx.model_dir,
-            ctx.inputs["draft"],
-            num_speculative_tokens=p.num_speculative_tokens,
-            adaptive_speculation=p.adaptive_speculation,
-            **common,
-        )
-        (plain_out, spec_out), (plain, spec) = run_interleaved([plain_engine, spec_engine], prompts, bs, p.max_tokens)
-        result = compare_outputs(plain_engine, prompts, plain_out, spec_out, p.tie_tolerance)
-        identical &= not result["mismatched_requests"]
-        real += result["mismatched_requests"] - result["near_tie_flips"]
-        metrics[f"batch{bs}"] = {
-            "plain": plain,
-            "speculative": spec,
-            "speedup": spec["output_tokens_per_s"] / plain["output_tokens_per_s"],
-            **result,
-        }
+        m = measure_batch(ctx, p, prompts, bs)
+        metrics[f"batch{bs}"] = m
+        for r in (m, m.get("draft_alone")):
+            if r:
+                identical &= not r["mismatched_requests"]
+                real += r["mismatched_requests"] - r["near_tie_flips"]
+        alone = f" (draft alone {m['draft_alone']['speedup']:.2f}x)" if "draft_alone" in m else ""
         ctx.log.info(
-            "serve.validate batch %d: acceptance %.3f, speedup %.2fx, %d diverged (%d at near-ties)",
+            "serve.validate batch %d: acceptance %.3f, speedup %.2fx%s, %d diverged (%d at near-ties)",
             bs,
-            spec["acceptance_rate"] or 0.0,
-            metrics[f"batch{bs}"]["speedup"],
-            result["mismatched_requests"],
-            result["near_tie_flips"],
+            m["speculative"]["acceptance_rate"] or 0.0,
+            m["speedup"],
+            alone,
+            m["mismatched_requests"],
+            m["near_tie_flips"],
         )
     metrics["outputs_identical"] = identical
     metrics["outputs_match"] = real == 0
     if ctx.is_main:
         _write_summary(ctx, metrics)
     return metrics
+
+
+def measure_batch(ctx: StageContext, p: ValidateParams, prompts: list[list[int]], bs: int) -> dict[str, Any]:
+    """Plain and speculative engines (and the draft alone, when prompt lookup is on) taking
+    turns over the workload at batch size ``bs``: statistics, speedups, output comparison."""
+    from serve.engine import LLM
+
+    common = {
+        "dtype": p.dtype,
+        "max_num_seqs": bs,
+        "kv_cache_memory_gb": p.kv_cache_memory_gb,
+        "int4_activations": p.int4_activations,
+    }
+    spec = {"num_speculative_tokens": p.num_speculative_tokens, "adaptive_speculation": p.adaptive_speculation}
+    draft = ctx.inputs["draft"]
+    engines = [
+        LLM(ctx.model_dir, **common),
+        LLM(ctx.model_dir, draft, prompt_lookup_max=p.prompt_lookup_max, **spec, **common),
+    ]
+    if p.prompt_lookup_max:
+        engines.append(LLM(ctx.model_dir, draft, **spec, **common))
+    outs, stats = run_interleaved(engines, prompts, bs, p.max_tokens)
+    rate = stats[0]["output_tokens_per_s"]
+    out: dict[str, Any] = {
+        "plain": stats[0],
+        "speculative": stats[1],
+        "speedup": stats[1]["output_tokens_per_s"] / rate,
+        **compare_outputs(engines[0], prompts, outs[0], outs[1], p.tie_tolerance),
+    }
+    if p.prompt_lookup_max:
+        out["draft_alone"] = {
+            **stats[2],
+            "speedup": stats[2]["output_tokens_per_s"] / rate,
+            **compare_outputs(engines[0], prompts, outs[0], outs[2], p.tie_tolerance),
+        }
+    return out
 
 
 def compare_outputs(
@@ -233,13 +261,19 @@ def _write_summary(ctx: StageContext, metrics: dict[str, Any]) -> None:
     ]
     for key, m in metrics.items():
         if key.startswith("batch") and isinstance(m, dict):
-            s, q = m["speculative"], m["plain"]
-            lines.append(
-                f"| {key[5:]} | {s['acceptance_rate'] or 0:.3f} | {s['mean_accepted_length'] or 0:.2f} | "
-                f"{s['ttft_p50'] or 0:.4f} | {s['tpot_p50'] or 0:.4f} | {q['output_tokens_per_s']:.1f} | "
-                f"{s['output_tokens_per_s']:.1f} | {m['speedup']:.2f} | {_match_cell(m)} |"
-            )
+            lines.append(_summary_row(key[5:], m["speculative"], m["plain"], m))
+            if "draft_alone" in m:
+                lines.append(_summary_row(f"{key[5:]}, draft alone", m["draft_alone"], m["plain"], m["draft_alone"]))
     (ctx.out_dir / "serve_validate.md").write_text("\n".join(lines) + "\n")
+
+
+def _summary_row(label: str, s: dict[str, Any], q: dict[str, Any], m: dict[str, Any]) -> str:
+    """One engine's row against the plain engine ``q``."""
+    return (
+        f"| {label} | {s['acceptance_rate'] or 0:.3f} | {s['mean_accepted_length'] or 0:.2f} | "
+        f"{s['ttft_p50'] or 0:.4f} | {s['tpot_p50'] or 0:.4f} | {q['output_tokens_per_s']:.1f} | "
+        f"{s['output_tokens_per_s']:.1f} | {m['speedup']:.2f} | {_match_cell(m)} |"
+    )
 
 
 def _match_cell(m: dict[str, Any]) -> str:

@@ -94,7 +94,21 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=int,
         default=4,
-        help="draft tokens proposed per step with --draft (default: %(default)s)",
+        help="draft tokens proposed per step with --draft or --prompt-lookup-max (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=0,
+        help="draft by prompt lookup: copy what followed the latest earlier occurrence of the last N tokens"
+        " (N from this down to --prompt-lookup-min); with --draft, the draft model drafts where nothing is"
+        " found. Pays on repetitive text (quoting the prompt, lists, code, greedy loops). 0: off",
+    )
+    p.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=2,
+        help="shortest suffix a prompt lookup may match (default: %(default)s)",
     )
     p.add_argument(
         "--no-adaptive-speculation",

@@ -43,6 +43,23 @@ def test_validate_stage_with_self_draft(tiny_artifact: Path, tmp_path: Path) -> 
     assert (tmp_path / "validate" / "serve_validate.md").is_file()
 
 
+def test_validate_with_prompt_lookup_measures_the_draft_alone_too(tiny_artifact: Path, tmp_path: Path) -> None:
+    data = tiny_recipe()
+    data["base"] = str(tiny_artifact)
+    params = {"num_prompts": 3, "prompt_tokens": 8, "max_tokens": 24, "prompt_lookup_max": 3, "batch_sizes": [1]}
+    data["stages"] = [{"stage": "serve.validate", "inputs": {"draft": str(tiny_artifact)}, "params": params}]
+    recipe = parse_recipe(data)
+    pipeline.Runner(recipe, tmp_path).run(pipeline.plan(recipe, tmp_path), {0})
+    m = artifacts.read_manifest(tmp_path / "validate")["metrics"]
+    assert m["outputs_match"] is True and m["prompt_lookup_max"] == 3
+    both, alone = m["batch1"]["speculative"], m["batch1"]["draft_alone"]
+    assert alone["lookup_share"] == 0 and alone["draft_acceptance_rate"] == pytest.approx(1.0)
+    if both["lookup_share"]:  # the self-draft accepts all it drafts; lookups may miss
+        assert both["draft_acceptance_rate"] in (None, pytest.approx(1.0))
+    assert alone["speedup"] > 0 and not alone["mismatched_requests"]
+    assert "1, draft alone" in (tmp_path / "validate" / "serve_validate.md").read_text()
+
+
 def test_validate_requires_a_draft_input() -> None:
     from warsha.config import RecipeError
 

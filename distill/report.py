@@ -24,16 +24,28 @@ def spec_prompts(held_out: list[list[int]], n: int, length: int) -> list[list[in
     return list(dict.fromkeys(map(tuple, mixed)))[:n]  # type: ignore[arg-type]
 
 
+def pooled(per_language: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Acceptance over every position of every language: the position-weighted mean."""
+    total = sum(r["positions"] for r in per_language.values())
+    keys = [k for k in next(iter(per_language.values())) if k != "positions"]
+    out = {k: sum(r[k] * r["positions"] for r in per_language.values()) / total for k in keys}
+    return {**out, "positions": total}
+
+
 def measure(
     ctx: "StageContext",
     p: "DraftParams",
     target: Any,
     models: dict[str, Any],
     tokenizer: Any,
-    texts: list[str],
+    texts: dict[str, list[str]],
     served_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """Analytic acceptance for every draft, empirical runs and speedups for the trained ones.
+
+    ``texts`` holds the held-out documents by language, the target language first. Acceptance
+    is reported over all of them and per language (``acceptance_by_language``): a draft for an
+    Arabic model is judged on Arabic, and the pooled figure hides which language it serves worse.
 
     With ``served_ids``, acceptance, the cost ratio and speculation use the drafts restricted to
     those ids, as serve runs them (bits per character stay over the full vocabulary).
@@ -58,7 +70,7 @@ def _measure(
     target: Any,
     models: dict[str, Any],
     tokenizer: Any,
-    texts: list[str],
+    texts: dict[str, list[str]],
     served_ids: list[int],
 ) -> dict[str, Any]:
     from distill.data import encode_docs
@@ -66,16 +78,29 @@ def _measure(
     from warsha.evaluate import likelihood
     from warsha.speculative import analytic_acceptance, measure_cost_ratio, plain_tokens_per_s
 
-    held_out = [d[: p.eval_len] for d in encode_docs(tokenizer, texts)]
+    by_lang = {lang: [d[: p.eval_len] for d in encode_docs(tokenizer, ts)] for lang, ts in texts.items()}
+    held_out = [d for docs in by_lang.values() for d in docs]
     temps = sorted({0.0, 1.0, *p.spec_temperatures})
-    out: dict[str, Any] = {"acceptance": {}, "bits_per_char": {}, "speculative": {}, "speedup": {}}
-    ar_texts = texts[: p.eval_documents]
+    out: dict[str, Any] = {
+        "acceptance": {},
+        "acceptance_by_language": {},
+        "bits_per_char": {},
+        "speculative": {},
+        "speedup": {},
+    }
+    target_texts = next(iter(texts.values()))
     for name, model in [("target", target), *models.items()]:
-        lk = likelihood(model, tokenizer, ar_texts, p.eval_len, desc=f"bpc {name}")
+        lk = likelihood(model, tokenizer, target_texts, p.eval_len, desc=f"bpc {name}")
         out["bits_per_char"][name] = lk.bits_per_char
         if name != "target":
             view = mask_outside(model, served_ids) if served_ids else model
-            out["acceptance"][name] = analytic_acceptance(target, view, held_out, temps, p.eval_len)
+            per = {
+                lang: analytic_acceptance(target, view, docs, temps, p.eval_len)
+                for lang, docs in by_lang.items()
+                if docs
+            }
+            out["acceptance_by_language"][name] = per
+            out["acceptance"][name] = pooled(per)
             ctx.tracker.log({f"acceptance/{name}/{k}": v for k, v in out["acceptance"][name].items()})
     for ref in ("baseline", "init"):
         if ref in out["acceptance"]:
@@ -146,6 +171,18 @@ def write_report(metrics: dict[str, Any], out_dir: Path) -> None:
     for name, acc in metrics["acceptance"].items():
         lines.append(f"| {name} | {acc['t0']:.3f} | {acc['t1']:.3f} | {metrics['bits_per_char'][name]:.3f} |")
     lines.append(f"| target | 1 | 1 | {metrics['bits_per_char']['target']:.3f} |")
+    by_lang = metrics.get("acceptance_by_language", {})
+    if by_lang:
+        langs = list(next(iter(by_lang.values())))
+        lines += [
+            "",
+            "By language, alpha T=0:",
+            "",
+            "| draft | " + " | ".join(langs) + " |",
+            "|---|" + "---|" * len(langs),
+        ]
+        for name, per in by_lang.items():
+            lines.append(f"| {name} | " + " | ".join(f"{per[lang]['t0']:.3f}" for lang in langs) + " |")
     c = metrics["cost"]
     lines += [
         "",

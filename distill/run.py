@@ -71,13 +71,16 @@ def build_draft(p: "DraftParams", target: Any, ctx: "StageContext") -> Any:
     return draft
 
 
-def load_texts(ctx: "StageContext", split: str, per_lang: int) -> list[str]:
+def texts_by_language(ctx: "StageContext", split: str, per_lang: int) -> dict[str, list[str]]:
     """Up to ``per_lang`` documents of each language from one split (target language first)."""
     corpus = ctx.corpus()
-    out: list[str] = []
-    for lang in (corpus.config.target_lang, corpus.config.source_lang):
-        out += corpus.texts(lang, split)[:per_lang]  # type: ignore[arg-type]
-    return out
+    langs = (corpus.config.target_lang, corpus.config.source_lang)
+    return {lang: list(corpus.texts(lang, split)[:per_lang]) for lang in langs}  # type: ignore[arg-type]
+
+
+def load_texts(ctx: "StageContext", split: str, per_lang: int) -> list[str]:
+    """``texts_by_language`` as one list, target language first."""
+    return [t for texts in texts_by_language(ctx, split, per_lang).values() for t in texts]
 
 
 def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
@@ -96,7 +99,8 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
 
     train_docs = encode_docs(tokenizer, load_texts(ctx, "train", p.max_train_documents))
     pools = build_pools(train_docs, p.train.seq_len, p.prompt_len, ctx.seed)
-    held_out_texts = load_texts(ctx, "validation", p.eval_documents)
+    held_out_by_lang = texts_by_language(ctx, "validation", p.eval_documents)
+    held_out_texts = [t for texts in held_out_by_lang.values() for t in texts]
 
     spec = DistillSpec(
         p.loss,
@@ -137,7 +141,7 @@ def run(ctx: "StageContext", p: "DraftParams") -> dict[str, Any]:
     from distill.report import measure
 
     served = vocab_ids if p.distill_vocab == "draft" else []
-    metrics = measure(ctx, p, target, models, tokenizer, held_out_texts, served)
+    metrics = measure(ctx, p, target, models, tokenizer, held_out_by_lang, served)
     metrics["train"] = train_summary
     metrics["draft"] = describe(init, target, p)
     if vocab_ids:

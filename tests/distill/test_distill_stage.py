@@ -56,6 +56,10 @@ def test_stage_writes_a_loadable_draft_and_reports(tmp_path: Path, ctx_factory: 
     for acc in metrics["acceptance"].values():
         assert 0.0 <= acc["t0"] <= 1.0 and 0.0 <= acc["t1"] <= 1.0
     assert set(metrics["gain_over_baseline"]) == {"t0", "t1"}
+    per = metrics["acceptance_by_language"]["distilled"]
+    assert len(per) == 2 and all(0.0 <= r["t0"] <= 1.0 for r in per.values())
+    assert sum(r["positions"] for r in per.values()) == metrics["acceptance"]["distilled"]["positions"]
+    assert "By language" in (ctx.out_dir / "acceptance.md").read_text()
     run = metrics["speculative"]["distilled"]["t1"]["2"]
     assert run["accepted"] <= run["proposed"] and run["mean_accepted_length"] >= 1.0
     sp = metrics["speedup"]["distilled"]["t1"]
@@ -68,6 +72,27 @@ def test_stage_writes_a_loadable_draft_and_reports(tmp_path: Path, ctx_factory: 
     again = STAGES["draft"].run(ctx_factory_reuse(ctx, tmp_path / "again"), _params(spec_ks=[1]))
     assert again["train"]["distill"] == metrics["train"]["distill"]
     assert again["acceptance"]["distilled"] == metrics["acceptance"]["distilled"]
+
+
+def test_pooled_acceptance_equals_one_pass_over_every_sequence(target_dir: Path) -> None:
+    """Per-language results pooled by positions must equal acceptance measured in one call."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from distill.draft import layer_subset
+    from distill.report import pooled
+    from warsha.speculative import analytic_acceptance
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = layer_subset(target, [0]).eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 100, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (7,), generator=g)]
+    groups = {"ar": seqs[:3], "en": seqs[3:]}
+    per = {k: analytic_acceptance(target, draft, v, (0.0, 1.0), 32) for k, v in groups.items()}
+    whole = analytic_acceptance(target, draft, seqs, (0.0, 1.0), 32)
+    got = pooled(per)
+    assert got["positions"] == whole["positions"]
+    assert got["t0"] == pytest.approx(whole["t0"], abs=1e-6) and got["t1"] == pytest.approx(whole["t1"], abs=1e-6)
 
 
 @pytest.mark.parametrize("on_policy", [0.0, 1.0])

@@ -331,7 +331,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
+        save_state(acc, tmp)
         acc.wait_for_everyone()
         if acc.is_main_process:
             fsync_tree(tmp)
@@ -361,6 +361,30 @@ class Trainer:
         acc.load_state(str(latest[0]))
         log.info("%s: resumed from checkpoint at step %d", self.name, latest[1]["step"])
         return latest[1]["step"]
+
+
+class _TiedCopiesDropped(logging.Filter):
+    """Drops accelerate's notice that it removed shared tensors while saving."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+def save_state(acc: Any, path: Path) -> None:
+    """``acc.save_state`` without accelerate's "Removed shared tensor" warning at every checkpoint.
+
+    safetensors cannot store two names for one storage, so accelerate keeps one name of each
+    tied group and warns. With tied embeddings that is every QLoRA checkpoint of the adapt stage
+    (peft's trainable-token delta of the head is the embedding's); loading restores the copy
+    through the tie, which ``tests/warsha/test_checkpoint_ties.py`` checks.
+    """
+    quiet = _TiedCopiesDropped()
+    target = logging.getLogger("accelerate.utils.other")
+    target.addFilter(quiet)
+    try:
+        acc.save_state(str(path))
+    finally:
+        target.removeFilter(quiet)
 
 
 def read_step_file(path: Path) -> dict[str, Any] | None:

@@ -73,12 +73,12 @@ class ModelRunner:
         draft: LlamaModel | None,
         draft_kv: KVCache | None,
         seed: int,
-        lookup: tuple[int, int] | None = None,
+        lookup_sizes: tuple[int, int] | None = None,
     ) -> None:
-        """`lookup`: (min_n, max_n) of prompt lookup (`serve.prompt_lookup`), None for none."""
+        """`lookup_sizes`: (min_n, max_n) of prompt lookup (`serve.prompt_lookup`), None for none."""
         self.target, self.target_kv = target, target_kv
         self.draft, self.draft_kv = draft, draft_kv
-        self.lookup_sizes = lookup
+        self.lookup_sizes = lookup_sizes
         self.generator = torch.Generator().manual_seed(seed + 1)
         self.num_draft_forwards = 0
         self.num_target_forwards = 0
@@ -160,12 +160,16 @@ class ModelRunner:
             counts[at] = drafted.counts
         probs = None
         if not all(batch.seqs[i].params.greedy for i in rows):
-            probs = torch.zeros(len(rows), tokens.shape[1], self.target.lm_head.shape[0])
-            probs.scatter_(2, tokens[..., None], 1.0)
-            probs *= (torch.arange(tokens.shape[1])[None, :] < counts[:, None])[..., None]
+            probs = self._one_hot(tokens, counts)
             if drafted is not None and drafted.probs is not None:
                 probs[at, : drafted.tokens.shape[1]] = drafted.probs
         return Proposal(rows=rows, tokens=tokens, probs=probs, counts=counts, looked_up=[i in looked for i in rows])
+
+    def _one_hot(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """q for certain guesses: [S, k, V], one at each real draft token, zero past a row's count."""
+        probs = torch.zeros(*tokens.shape, self.target.lm_head.shape[0])
+        probs.scatter_(2, tokens[..., None], 1.0)
+        return probs * (torch.arange(tokens.shape[1])[None, :] < counts[:, None])[..., None]
 
     def _draft_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of draft logit columns (they differ when the draft's head is restricted)."""

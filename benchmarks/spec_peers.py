@@ -6,8 +6,10 @@ HF checkpoint so both engines load the same two directories. Per engine the same
 (prompt 32-96 tokens, `--new-tokens` out) runs without and with the draft (`k` tokens proposed
 per step): Warsha in bf16 and float32 (its adaptive switch on, as served), vLLM in float32 (its
 faster dtype on a CPU without native bf16) with `speculative_config={"method": "draft_model"}`.
-vLLM runs with Intel's OpenMP preloaded, as its CPU documentation asks for speculative decoding
-(it warns of a large slowdown otherwise); the venv from setup_vllm_cpu.sh ships `libiomp5.so`.
+With `--lookup` both engines also run prompt lookup alone (Warsha's `prompt_lookup_max=4`,
+vLLM's `ngram` method with the same sizes). vLLM runs with Intel's OpenMP preloaded, as its
+CPU documentation asks for speculative decoding (it warns of a large slowdown otherwise); the
+venv from setup_vllm_cpu.sh ships `libiomp5.so`.
 
     bash benchmarks/peers/setup_vllm_cpu.sh
     .venv/bin/python benchmarks/spec_peers.py --rounds 3
@@ -50,10 +52,12 @@ def warsha_rows(
         for dt in ("bfloat16", "float32")
         for mode in ("plain", "spec")
     }
+    if args.lookup:
+        settings["warsha float32 lookup"] = dict(dtype="float32", num_speculative_tokens=args.k, prompt_lookup_max=4)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in settings}
     for _ in range(args.rounds):
         for name, kw in settings.items():
-            use_draft = draft if "num_speculative_tokens" in kw else None
+            use_draft = draft if name.endswith(" spec") else None
             runs[name].append(sp.warsha_run(target, reqs, args, draft_dir=use_draft, **kw))
     out = {}
     for name, rs in runs.items():
@@ -71,13 +75,17 @@ def vllm_rows(
     preload = " ".join(filter(None, [str(iomp) if iomp else "", os.environ.get("LD_PRELOAD", "")]))
     jobs = [{"name": "b1", "requests": [[p, n] for p, n in reqs]}]
     out = {}
-    for name, extra in (
+    engines: list[tuple[str, dict[str, Any]]] = [
         ("vLLM float32 plain", {}),
         (
             "vLLM float32 spec",
             {"speculative_config": {"model": str(draft), "method": "draft_model", "num_speculative_tokens": args.k}},
         ),
-    ):
+    ]
+    if args.lookup:  # vLLM's prompt lookup, with the sizes Warsha's lookup row uses
+        ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        engines.append(("vLLM float32 lookup", {"speculative_config": ngram}))
+    for name, extra in engines:
         spec = {
             "model_dir": str(target),
             "dtype": "float32",
@@ -100,9 +108,9 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if "tok_per_s" not in r:
             table[name] = {"error": r.get("error")}
             continue
-        plain = rows.get(name.replace(" spec", " plain"), {})
+        plain = rows.get(name.rsplit(" ", 1)[0] + " plain", {})
         entry: dict[str, Any] = {"tok_per_s": r["tok_per_s"]}
-        if name.endswith(" spec") and "tok_per_s" in plain:
+        if not name.endswith(" plain") and "tok_per_s" in plain:
             entry["speedup"] = r["tok_per_s"] / plain["tok_per_s"]
             entry["identical_to_plain"] = r["outputs"] == plain["outputs"]
         for key in ("acceptance_rate", "mean_accepted_length", "tok_s_rounds"):
@@ -138,6 +146,9 @@ def comparisons(rows: dict[str, dict[str, Any]], raw: dict[str, dict[str, Any]])
     a, b = raw.get("warsha float32 spec", {}), raw.get("vLLM float32 spec", {})
     if "outputs" in a and "outputs" in b:
         out["float32 spec outputs identical, Warsha vs vLLM"] = a["outputs"] == b["outputs"]
+    w, v = rows.get("warsha float32 lookup", {}), rows.get("vLLM float32 lookup", {})
+    if "tok_per_s" in w and "tok_per_s" in v:
+        out["warsha lookup / vLLM lookup (float32)"] = round(w["tok_per_s"] / v["tok_per_s"], 3)
     return out
 
 
@@ -152,6 +163,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget given to Warsha and vLLM alike")
     p.add_argument("--skip-vllm", action="store_true", help="Warsha's rows only")
+    p.add_argument(
+        "--lookup",
+        action="store_true",
+        help="also prompt lookup without a draft: Warsha's prompt_lookup_max=4 against vLLM's ngram method",
+    )
     p.add_argument("--peers-cache", type=Path, default=sp.PEERS_CACHE, help="where the set-up scripts put the venvs")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/warsha-serve-bench"))
     args = p.parse_args()

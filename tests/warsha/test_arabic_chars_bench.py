@@ -1,0 +1,68 @@
+"""benchmarks/arabic_chars_bench.py's arithmetic: the letters/s ratio and its bootstrap interval.
+
+The bench itself needs the real recipe's models; what it computes from what they generated is
+checked here against a direct computation on counts whose answer is known, and its options
+against the errors a user should see.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import arabic_chars_bench as bench  # noqa: E402
+
+
+def _counts(letters: list[int], seconds: list[float]) -> bench.Counts:
+    c = bench.Counts()
+    for n, s in zip(letters, seconds, strict=True):
+        c.tokens.append(n // 2)
+        c.chars.append(n + 3)
+        c.letters.append(n)
+        c.canonical.append(n // 2)
+        c.seconds.append(s)
+    return c
+
+
+def test_ratio_is_total_letters_over_total_seconds() -> None:
+    ext = _counts([300, 100, 200], [2.0, 1.0, 1.0])
+    base = _counts([100, 100, 100], [1.0, 2.0, 1.0])
+    expected = (600 / 4.0) / (300 / 4.0)
+    assert bench.letters_per_s_ratio(ext, base, [0, 1, 2]) == pytest.approx(expected)
+    # a resample that repeats a prompt counts it twice in both models
+    assert bench.letters_per_s_ratio(ext, base, [0, 0]) == pytest.approx((600 / 4.0) / (200 / 2.0))
+    assert ext.summary()["arabic_letters_per_s"] == pytest.approx(150.0)
+    assert ext.summary()["arabic_letters_per_token"] == pytest.approx(2.0)
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_collapses_when_prompts_agree() -> None:
+    ext = _counts([300, 100, 200, 250, 180], [2.0, 1.0, 1.0, 1.5, 1.2])
+    base = _counts([100, 120, 100, 150, 90], [1.0, 2.0, 1.0, 1.1, 0.9])
+    lo, hi = bench.bootstrap_interval(ext, base)
+    ratio = bench.letters_per_s_ratio(ext, base, list(range(5)))
+    assert lo < ratio < hi
+    same = _counts([200] * 5, [1.0] * 5)
+    lo, hi = bench.bootstrap_interval(same, _counts([100] * 5, [1.0] * 5))
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+
+
+def test_mode_names() -> None:
+    assert bench.mode_name(0.0) == "greedy"
+    assert bench.mode_name(1.0) == "T=1"
+    assert bench.mode_name(0.7) == "T=0.7"
+
+
+@pytest.mark.parametrize(("value", "message"), [("1,x", "not a comma list"), ("1,-0.5", ">= 0")])
+def test_bad_temperatures_are_named(
+    value: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["arabic_chars_bench.py", "--base", "a", "--extended", "b", "--temperatures", value]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        bench.parse_args()
+    err = capsys.readouterr().err
+    assert "--temperatures" in err and message in err

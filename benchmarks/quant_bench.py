@@ -80,16 +80,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path)
     p.add_argument(
         "--pair",
-        nargs=2,
+        nargs="+",
         metavar="FILE:NAME",
-        help="compare two results of earlier runs over their documents (paired) and exit, e.g."
-        " --pair a.json:warsha-gptq b.json:llmcompressor-gptq",
+        help="compare a result of an earlier run with another over their documents (paired) and exit;"
+        " more than one after the first are averaged per document (a non-deterministic peer's runs),"
+        " e.g. --pair a.json:warsha-gptq b.json:llmcompressor-gptq c.json:llmcompressor-gptq",
     )
     return p.parse_args()
 
 
-def pair(after: str, before: str) -> dict[str, tuple[float, float]]:
-    """Relative perplexity change of result ``after`` over ``before`` (each FILE:NAME), per language.
+def pair(after: str, *before: str) -> dict[str, tuple[float, float]]:
+    """Relative perplexity change of result ``after`` over ``before`` (each FILE:NAME), per
+    language; several ``before`` results are averaged per document first.
 
     Why: llm-compressor's GPTQ is not deterministic here, so one run's peer is a sample; pairing
     a Warsha result with the peer's from several runs needs the documents, which each result keeps.
@@ -103,8 +105,11 @@ def pair(after: str, before: str) -> dict[str, tuple[float, float]]:
             raise SystemExit(f"--pair: {path} has no per-document scores for {name!r} (written since this option)")
         return {lang: DocScores.from_per_document(d) for lang, d in result["documents"].items()}
 
-    a, b = load(after), load(before)
-    return {lang: relative_increase(a[lang], b[lang]) for lang in a if lang in b}
+    if not before:
+        raise SystemExit("--pair: give the result to compare and at least one to compare it with")
+    a, bs = load(after), [load(spec) for spec in before]
+    langs = [lang for lang in a if all(lang in b for b in bs)]
+    return {lang: relative_increase(a[lang], DocScores.mean([b[lang] for b in bs])) for lang in langs}
 
 
 def warsha_params(method: str, args: argparse.Namespace) -> Any:
@@ -284,7 +289,8 @@ def main() -> None:
     args = parse_args()
     if args.pair:
         for lang, (inc, se) in pair(*args.pair).items():
-            print(f"{lang}: {100 * inc:+.2f}% (s.e. {100 * se:.2f}) {args.pair[0]} over {args.pair[1]}")
+            over = " and ".join(args.pair[1:])
+            print(f"{lang}: {100 * inc:+.2f}% (s.e. {100 * se:.2f}) {args.pair[0]} over {over}")
         return
     import torch
 

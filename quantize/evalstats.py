@@ -49,6 +49,19 @@ class DocScores:
         nll = torch.tensor(data["nll"], dtype=torch.float64)
         return cls(nll=nll, tokens=torch.tensor(data["tokens"], dtype=torch.int64), chars=int(data["chars"]))
 
+    @classmethod
+    def mean(cls, runs: Sequence[DocScores]) -> DocScores:
+        """Each document's NLL averaged over ``runs`` of the same documents.
+
+        Why: a non-deterministic quantizer (llm-compressor's GPTQ here) gives a different model
+        per run; comparing against one run compares against one sample of it, against the mean
+        compares against what a user of it gets on average.
+        """
+        first = runs[0]
+        if any(not torch.equal(r.tokens, first.tokens) or r.chars != first.chars for r in runs[1:]):
+            raise ValueError("DocScores.mean: the runs are not over the same documents")
+        return cls(nll=torch.stack([r.nll for r in runs]).mean(0), tokens=first.tokens.clone(), chars=first.chars)
+
     def as_dict(self) -> dict[str, float]:
         """Manifest form (the per-document arrays are not written)."""
         return {

@@ -85,3 +85,29 @@ def test_per_document_scores_pair_across_files(tmp_path: Path) -> None:
     assert paired["ar"] == pytest.approx(relative_increase(runs["b"], runs["a"]), rel=1e-12)
     with pytest.raises(SystemExit, match="no per-document scores for 'c'"):
         pair(f"{tmp_path / 'b.json'}:c", f"{tmp_path / 'a.json'}:a")
+
+
+def test_several_runs_pair_as_their_per_document_mean(tmp_path: Path) -> None:
+    """--pair A B C compares A with the document-by-document mean NLL of B and C, by hand."""
+    import json
+
+    from benchmarks.quant_bench import pair
+
+    tokens = torch.tensor([10, 20, 30, 40])
+    runs = {
+        "a": DocScores(torch.tensor([30.0, 61.0, 89.0, 121.0], dtype=torch.float64), tokens, 500),
+        "b": DocScores(torch.tensor([29.0, 60.0, 90.0, 118.0], dtype=torch.float64), tokens, 500),
+        "c": DocScores(torch.tensor([31.0, 58.0, 86.0, 120.0], dtype=torch.float64), tokens, 500),
+    }
+    for name, scores in runs.items():
+        doc = {"results": {name: {"documents": {"en": scores.per_document()}}}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    mean = DocScores.mean([runs["b"], runs["c"]])
+    assert mean.nll.tolist() == [30.0, 59.0, 88.0, 119.0]
+    expected = math.exp((301.0 - 296.0) / 100) - 1  # sum of a's NLL over the mean's, per token
+    paired = pair(*(f"{tmp_path / n}.json:{n}" for n in "abc"))
+    assert paired["en"][0] == pytest.approx(expected, rel=1e-12)
+    assert paired["en"] == pytest.approx(relative_increase(runs["a"], mean), rel=1e-12)
+    other = DocScores(runs["c"].nll, torch.tensor([10, 20, 30, 41]), 500)
+    with pytest.raises(ValueError, match="not over the same documents"):
+        DocScores.mean([runs["b"], other])

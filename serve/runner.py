@@ -15,7 +15,7 @@ from serve.attention import SeqChunk
 from serve.kv_cache import KVCache
 from serve.model import ForwardBatch, LlamaModel
 from serve.prompt_lookup import lookup
-from serve.sampler import SamplingParams, draw, exponential_noise, param_tensors, process_logits
+from serve.sampler import SamplingParams, param_tensors, process_logits, sample
 from serve.scheduler import ScheduledBatch
 from serve.sequence import Sequence
 from serve.spec_decode import RejectionResult, greedy_verify, rejection_sample
@@ -189,7 +189,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft token and its processed distribution q for each row."""
         probs = process_logits(self._full_vocab(logits), *param_tensors(params))
-        return draw(probs, exponential_noise(tuple(probs.shape), gens, self.generator)), probs
+        return sample(probs, gens, self.generator), probs
 
     def _propose_rest(
         self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor, generators: dict[str, torch.Generator]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve.sampler import draw, exponential_noise, uniform_noise
+from serve.sampler import sample, uniform_noise
 from serve.spec_cost import RecentMedian, StepCostTable
 from serve.spec_window import StepCost, WindowPlanner
 
@@ -62,7 +62,7 @@ def rejection_sample(
     residual = (p_sel - q_padded[rows, num_accepted]).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_sel)
-    final = draw(residual, exponential_noise(tuple(residual.shape), generators, default))
+    final = sample(residual, generators, default)
     out = torch.full((batch, k + 1), -1, dtype=torch.long)
     keep = torch.arange(k + 1)[None, :] < num_accepted[:, None]
     out[:, :k] = torch.where(keep[:, :k], draft_tokens, out[:, :k])

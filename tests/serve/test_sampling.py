@@ -4,7 +4,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from serve.sampler import Sampler, SamplingParams, process_logits
+from serve import sampler as sampler_module
+from serve.sampler import Sampler, SamplingParams, process_logits, sample
 from serve.spec_decode import SpecController, greedy_verify, rejection_sample
 
 
@@ -110,6 +111,29 @@ def test_top_k_top_p_masks_and_seeded_sampler() -> None:
         logits, params, [[1], [1]], [[], []], [torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)]
     ).tokens
     assert a[0] == b[0]
+
+
+def test_sample_draws_each_row_from_its_distribution() -> None:
+    """Chi-square against the rows' probabilities, zero-mass tokens never drawn, one-hot rows exact."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    n = 20_000
+    counts = torch.zeros(2, 6)
+    for _ in range(n // 500):
+        tokens = torch.stack([sample(probs, [None, None], g) for _ in range(500)])
+        counts += torch.nn.functional.one_hot(tokens, 6).sum(0)
+    assert counts[0, probs[0] == 0].sum() == 0 and counts[1, 4] == n
+    live = probs[0] > 0
+    assert chisquare(counts[0, live].numpy(), (n * probs[0, live]).numpy()).pvalue > 1e-3
+
+
+def test_sample_at_the_top_of_the_unit_interval_takes_the_last_token_with_mass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """u * total rounding up to the total would index past the row; the last live token is drawn."""
+    monkeypatch.setattr(sampler_module, "uniform_noise", lambda shape, *a, **k: torch.ones(shape, dtype=torch.float64))
+    probs = torch.tensor([[0.2, 0.0, 0.8, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1, 0.6]])
+    assert sample(probs, [None, None], torch.Generator()).tolist() == [2, 4]
 
 
 def test_penalties_and_logprobs() -> None:

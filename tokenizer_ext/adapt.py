@@ -109,6 +109,7 @@ def adapt_one(
     if model is None:
         return metrics
     metrics["bits_per_char"] = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length)
+    metrics["script_leak"] = quality.script_leak(model, tok, corpus, p.eval_docs, p.eval_max_length)
     if out is not None:
         model.save_pretrained(out)
     if p.gen_tokens:
@@ -230,12 +231,14 @@ def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir:
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tok_dir)
+    corpus = ctx.corpus()
     out: dict[str, Any] = {
-        "bits_per_char": quality.bits_per_char(model, tok, ctx.corpus(), p.eval_docs, p.eval_max_length)
+        "bits_per_char": quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length),
+        "script_leak": quality.script_leak(model, tok, corpus, p.eval_docs, p.eval_max_length),
     }
     if p.gen_tokens:
         out["generation"] = quality.generation_speed(
-            model.to(compute_dtype(None, "auto")), tok, quality.prompts(ctx.corpus()), p.gen_tokens
+            model.to(compute_dtype(None, "auto")), tok, quality.prompts(corpus), p.gen_tokens
         )
     return out
 

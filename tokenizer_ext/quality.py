@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tokenizer_ext import script_leak as leak
 from warsha.evaluate import likelihood
 
 SPLIT = "validation"
@@ -29,6 +30,13 @@ def bits_per_char(
         texts = corpus.texts(lang, SPLIT)[:docs]
         out[lang] = likelihood(model, tok, texts, max_length, batch_size=8, desc=f"bpc {lang}").bits_per_char
     return out
+
+
+def script_leak(model: Any, tok: Any, corpus: Any, docs: int, max_length: int) -> dict[str, float]:
+    """Probability on other-script tokens while reading the first ``docs`` held-out target-language
+    documents (``tokenizer_ext.script_leak``): what sampled text turns into foreign fragments."""
+    texts = corpus.texts(corpus.config.target_lang, SPLIT)[:docs]
+    return leak.script_leak(model, tok, texts, max_length)
 
 
 def generation_speed(model: Any, tok: Any, prompts: list[str], new_tokens: int) -> dict[str, float]:

@@ -75,6 +75,8 @@ def load(
     extra: dict[str, Any] = {}
     if full_embeddings:
         extra["modules_to_save"] = heads
+        # without it peft trains a copy of a tied embedding while the head keeps the original
+        extra["ensure_weight_tying"] = tied
     elif new_ids:
         extra["trainable_token_indices"] = {name: list(new_ids) for name in heads}
     cfg = LoraConfig(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.tokenizer_ext.conftest import make_ctx
+from tests.tokenizer_ext.conftest import make_ctx, tiny_llama
 from tokenizer_ext import adapt
 from tokenizer_ext.stages import AdaptParams
 from warsha.training import TrainParams
@@ -50,6 +50,8 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(after[q], before[q])
     assert m["extended"]["trainable_new_rows"] == n_new and "base_same_budget" not in m
+    leak = m["extended"]["script_leak"]
+    assert 0.0 <= leak["mean"] <= 1.0 and leak["positions"] > 0
 
 
 def test_lora_initialisation_follows_the_seed_not_the_process(sp_embedded_dir: Path) -> None:
@@ -128,6 +130,30 @@ def test_qlora_full_embeddings_option(tmp_path: Path, sp_embedded_dir: Path, cor
     key = "model.embed_tokens.weight"
     assert not torch.equal(after[key][:32000], before[key][:32000])
     assert m["extended"]["trainable_params"] > 2 * 32000 * 64
+
+
+def test_qlora_full_embeddings_train_a_tied_head(tmp_path: Path) -> None:
+    """On a tied model the head trains with the embedding: after a step the logits are the
+    last hidden state times the trained matrix, and the merged model shares that one matrix
+    (peft would otherwise train a copy of the embedding while the head kept the original)."""
+    from tokenizer_ext import qlora
+
+    src = tmp_path / "tied"
+    original = tiny_llama(src, 320, tie=True).get_input_embeddings().weight.detach().clone()
+    model = qlora.load(src, [], True, 4, 8, 0.0, False, True, seed=0)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 320, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1.0).step()
+    trained = model.get_input_embeddings().modules_to_save["default"].weight.detach()
+    assert not torch.equal(trained, original)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, out.hidden_states[-1] @ trained.T)
+    merged = qlora.save_and_merge(model, src, tmp_path / "adapter")
+    assert merged.get_output_embeddings().weight.data_ptr() == merged.get_input_embeddings().weight.data_ptr()
+    torch.testing.assert_close(merged.get_input_embeddings().weight.detach(), trained)
 
 
 def test_targets_count_improvement_as_met() -> None:

@@ -7,9 +7,11 @@ taking turns prompt by prompt, batch 1, stopping at EOS (what a user gets), on t
 Arabic prompts (each model's own tokenizer encodes the same opening words). Reported per model
 and decoding mode: decode tokens/s, generated characters and Arabic letters per token, Arabic
 letters per second, the ratio extended / base (issue 23's target: >= 1.3x) with a bootstrap
-interval over prompts, and how many tokens the tokenizer itself would spend on the generated
-text per token the model generated (a model that has not learnt its new pieces spells words in
-old, shorter ones).
+interval over prompts, the share of letters written in other scripts (a model whose
+adaptation weakened its sense of the language drifts into Latin or Cyrillic words when it
+samples), and how many tokens the tokenizer itself would spend on the generated text per token
+the model generated (a model that has not learnt its new pieces spells words in old, shorter
+ones). The JSON keeps every generated text.
 
 Two decoding modes by default, because they measure different things: sampling at the
 OpenAI API's defaults (temperature 1, top_p 1, seeded per prompt), which draws from each model's
@@ -40,6 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 ARABIC_LETTER = re.compile(r"[\u0621-\u064A]")
+
+
+def other_script_letters(text: str) -> int:
+    """Letters of ``text`` written in a script other than Arabic."""
+    from tokenizer_ext.script_leak import letter_script
+
+    return sum(1 for ch in text if letter_script(ch) not in (None, "ARABIC"))
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,8 +95,20 @@ class Counts:
     tokens: list[int] = field(default_factory=list)
     chars: list[int] = field(default_factory=list)
     letters: list[int] = field(default_factory=list)
+    other_script: list[int] = field(default_factory=list)
     canonical: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+    def add(self, text: str, tokens: int, canonical: int, seconds: float) -> None:
+        """Count one prompt's generated ``text`` (``tokens`` generated, ``canonical`` re-encoded)."""
+        self.tokens.append(tokens)
+        self.chars.append(len(text))
+        self.letters.append(len(ARABIC_LETTER.findall(text)))
+        self.other_script.append(other_script_letters(text))
+        self.canonical.append(canonical)
+        self.seconds.append(seconds)
+        self.texts.append(text)
 
     def summary(self) -> dict[str, Any]:
         """Tokens/s, characters and Arabic letters per token, Arabic letters/s, over all prompts."""
@@ -99,10 +120,18 @@ class Counts:
             "chars_per_token": sum(self.chars) / max(tokens, 1),
             "arabic_letters_per_token": sum(self.letters) / max(tokens, 1),
             "arabic_letters_per_s": sum(self.letters) / seconds,
+            # letters of other scripts (Latin, Cyrillic, CJK, ...) per letter written: fragments of
+            # other languages a sampled model drifts into, which count for nothing above
+            "other_script_letter_share": sum(self.other_script) / max(sum(self.other_script) + sum(self.letters), 1),
             # the tokenizer's own encoding of the generated text, per generated token: below 1 the
             # model spells words with more (shorter) pieces than the tokenizer would
             "canonical_tokens_per_generated": sum(self.canonical) / max(tokens, 1),
-            "per_prompt": {"tokens": self.tokens, "letters": self.letters, "seconds": self.seconds},
+            "per_prompt": {
+                "tokens": self.tokens,
+                "letters": self.letters,
+                "seconds": self.seconds,
+                "texts": self.texts,
+            },
         }
 
 
@@ -133,12 +162,8 @@ class Served:
         out = self.engine.generate([self.prompts[i]], params)[0]
         seconds = time.perf_counter() - start
         text = self.tok.decode(out.token_ids, skip_special_tokens=True)
-        c = self.counts[temperature]
-        c.tokens.append(len(out.token_ids))
-        c.chars.append(len(text))
-        c.letters.append(len(ARABIC_LETTER.findall(text)))
-        c.canonical.append(len(self.tok(text, add_special_tokens=False).input_ids))
-        c.seconds.append(seconds)
+        canonical = len(self.tok(text, add_special_tokens=False).input_ids)
+        self.counts[temperature].add(text, len(out.token_ids), canonical, seconds)
 
 
 def serve_in_turns(models: dict[str, Served], n: int, temperatures: list[float]) -> None:
@@ -177,8 +202,8 @@ def mode_name(temperature: float) -> str:
 def table(res: dict[str, Any]) -> str:
     rows = [
         "| mode | model | vocab | generated tokens | tokens/s | chars/token | Arabic letters/token"
-        " | Arabic letters/s | re-encoded / generated tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | Arabic letters/s | other-script letters | re-encoded / generated tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in res["modes"].items():
         for name in ("base", "extended"):
@@ -186,7 +211,8 @@ def table(res: dict[str, Any]) -> str:
             rows.append(
                 f"| {mode} | {name} | {res['vocab_size'][name]} | {m['generated_tokens']} |"
                 f" {m['tokens_per_s']:.1f} | {m['chars_per_token']:.2f} | {m['arabic_letters_per_token']:.2f} |"
-                f" {m['arabic_letters_per_s']:.1f} | {m['canonical_tokens_per_generated']:.3f} |"
+                f" {m['arabic_letters_per_s']:.1f} | {m['other_script_letter_share']:.1%} |"
+                f" {m['canonical_tokens_per_generated']:.3f} |"
             )
     rows.append("")
     for mode, r in res["modes"].items():

@@ -50,6 +50,16 @@ def test_bootstrap_interval_brackets_the_ratio_and_collapses_when_prompts_agree(
     assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
 
 
+def test_other_script_letters_are_counted_apart() -> None:
+    """Latin and Cyrillic letters count as other-script, digits and Arabic punctuation as nothing."""
+    c = bench.Counts()
+    c.add("قال said сказал، 123", tokens=4, canonical=4, seconds=1.0)
+    c.add("ذهب", tokens=1, canonical=1, seconds=1.0)
+    assert c.letters == [3, 3] and c.other_script == [10, 0] and c.chars == [20, 3]
+    assert c.summary()["other_script_letter_share"] == pytest.approx(10 / 16)
+    assert c.summary()["per_prompt"]["texts"][1] == "ذهب"
+
+
 def test_mode_names() -> None:
     assert bench.mode_name(0.0) == "greedy"
     assert bench.mode_name(1.0) == "T=1"

@@ -54,6 +54,22 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
     assert 0.0 <= leak["mean"] <= 1.0 and leak["positions"] > 0
 
 
+def test_compare_base_scores_every_model(
+    tmp_path: Path, sp_embedded_dir: Path, sp_model_dir: Path, corpus: Any
+) -> None:
+    """With compare_base the base adapted on the same budget and the unadapted base are scored
+    like the extended model: bits/char, script leak, and the targets computed from them."""
+    ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt", base=sp_model_dir)
+    p = AdaptParams(
+        train=TrainParams(**{**TINY, "steps": 1}), eval_docs=1, eval_max_length=32, gen_tokens=0, train_docs=20
+    )
+    m = adapt.run(ctx, p)
+    for name in ("extended", "base_same_budget", "base_model"):
+        assert set(m[name]["bits_per_char"]) == {"ar", "en"}, name
+        assert 0.0 <= m[name]["script_leak"]["mean"] <= 1.0 and m[name]["script_leak"]["positions"] > 0, name
+    assert "ar_bpc_extended_le_base_adapted" in m["targets"]
+
+
 def test_lora_initialisation_follows_the_seed_not_the_process(sp_embedded_dir: Path) -> None:
     """Two loads with the same seed start from the same adapter whatever was drawn before them;
     another seed starts elsewhere (peft draws LoRA's A matrices from torch's global generator)."""

@@ -37,6 +37,12 @@ def test_ratio_is_total_letters_over_total_seconds() -> None:
     assert bench.letters_per_s_ratio(ext, base, [0, 0]) == pytest.approx((600 / 4.0) / (200 / 2.0))
     assert ext.summary()["arabic_letters_per_s"] == pytest.approx(150.0)
     assert ext.summary()["arabic_letters_per_token"] == pytest.approx(2.0)
+    # letters per token ignores the seconds: 600 / 300 tokens against 300 / 150
+    assert bench.letters_per_token_ratio(ext, base) == pytest.approx(1.0)
+    assert bench.letters_per_token_ratio(ext, _counts([100, 100, 100], [9.0, 9.0, 9.0])) == pytest.approx(1.0)
+    doubled = _counts([300, 100, 200], [2.0, 1.0, 1.0])
+    doubled.tokens = [t // 2 for t in doubled.tokens]
+    assert bench.letters_per_token_ratio(doubled, base) == pytest.approx(600 / 150 / (300 / 150))
 
 
 def test_bootstrap_interval_brackets_the_ratio_and_collapses_when_prompts_agree() -> None:

@@ -34,10 +34,23 @@ define tcmalloc
 	fi
 endef
 
+# The environment takes about 3 GB (torch, transformers and the rest) plus pip's unpacking room:
+# check before the first download, so a full disk is a sentence, not a pip traceback.
+MIN_FREE_GB := 5
+define diskcheck
+	@free=$$(df -Pk $(dir $(abspath $(VENV))) | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(MIN_FREE_GB) ]; then \
+	  echo "error: $$free GB free on the disk holding $(dir $(abspath $(VENV))); the environment ($(VENV)) needs about $(MIN_FREE_GB) GB." >&2; \
+	  echo "       free some space (or set VENV=/path/on/a/larger/disk) and rerun." >&2; \
+	  exit 1; \
+	fi
+endef
+
 # One recipe for both set-ups: tcmalloc, torch first and alone (any other order lets a dependency
 # pull a multi-GB CUDA build), then the package with the named extras, then serve's AVX2 kernels
 # (compiled once, ~30 s, cached and rebuilt on change; without a compiler serve uses torch's).
 define install
+	$(call diskcheck)
 	$(call tcmalloc)
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0

@@ -202,13 +202,39 @@ def _train_qlora(
         seed=ctx.seed,
     )
     trainable, total = qlora.trainable_count(model)
-    trainer = Trainer(model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", eval_fn=eval_fn)
+    trainer = Trainer(
+        model=model,
+        p=p.train,
+        ctx=ctx,
+        batch_fn=batch_fn,
+        name=f"adapt_{name}",
+        eval_fn=eval_fn,
+        on_optimizer=_slow_base_rows(model, p, new_ids),
+    )
     result = trainer.run()
     info = {"trainable_params": trainable, "total_params": total, "trainable_new_rows": len(new_ids)}
     if not ctx.is_main:
         return None, result, info
     adapter_dir = out / "adapter" if out is not None else ctx.checkpoint_dir / f"adapter_{name}"
     return qlora.save_and_merge(trainer.model, weights, adapter_dir), result, info
+
+
+def _slow_base_rows(model: Any, p: "AdaptParams", new_ids: list[int]) -> Any:
+    """The optimizer hook that moves the base vocabulary's rows at ``base_rows_lr_scale`` times
+    the learning rate (None when every row takes the full rate). Without new ids (the
+    same-budget base run) every row is a base row, so both runs treat the base vocabulary alike."""
+    if not p.full_embeddings or p.base_rows_lr_scale == 1.0:
+        return None
+    from tokenizer_ext import qlora, row_lr
+
+    weights = qlora.trained_embeddings(model)
+    first_new = min(new_ids) if new_ids else weights[0].shape[0]
+
+    def hook(opt: Any) -> None:
+        for weight in weights:
+            row_lr.scale_leading_rows(opt, weight, first_new, p.base_rows_lr_scale)
+
+    return hook
 
 
 def _select(model: Any, mode: str) -> list[Any]:

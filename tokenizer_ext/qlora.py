@@ -3,7 +3,8 @@
 Only the new vocabulary rows of the embedding and LM head train (peft
 ``trainable_token_indices``), so the base vocabulary's rows, and with them the base model's
 behaviour on text without the new pieces, stay as they were; ``full_embeddings`` trains the
-whole matrices instead (``modules_to_save``). The artifact is a plain HF model: the adapter is
+whole matrices instead (``modules_to_save``), the base rows optionally at a lower learning rate
+(``row_lr``). The artifact is a plain HF model: the adapter is
 merged into the unquantized weights, and the adapter alone is kept in a subdirectory.
 """
 
@@ -89,6 +90,17 @@ def load(
         if q.requires_grad:
             q.data = q.data.float()
     return peft_model
+
+
+def trained_embeddings(peft_model: Any) -> list[Any]:
+    """The matrices ``full_embeddings`` trains (peft's copies): the embedding, and the LM head
+    unless it is tied to the embedding."""
+    found: dict[int, Any] = {}
+    for module in (peft_model.get_input_embeddings(), peft_model.get_output_embeddings()):
+        if module is not None and hasattr(module, "modules_to_save"):
+            weight = module.modules_to_save["default"].weight
+            found.setdefault(weight.data_ptr(), weight)  # tied: one matrix, one hook
+    return list(found.values())
 
 
 def trainable_count(model: Any) -> tuple[int, int]:

@@ -65,6 +65,14 @@ class AdaptParams:
     full_embeddings: bool = field(
         default=False, metadata=check(help="qlora: train whole embedding and LM head instead of the new rows")
     )
+    base_rows_lr_scale: float = field(
+        default=1.0,
+        metadata=check(
+            ge(0.0),
+            le(1.0),
+            help="full_embeddings: learning-rate multiplier for the base vocabulary's rows (new rows take lr)",
+        ),
+    )
     deepspeed: str | None = field(
         default=None, metadata=check(help="DeepSpeed JSON (recipes/deepspeed/*.json) for full/embeddings")
     )
@@ -89,6 +97,8 @@ class AdaptParams:
             problems.append("offload_optimizer: needs a deepspeed config")
         if self.full_embeddings and self.mode != "qlora":
             problems.append("full_embeddings: only for mode qlora (full/embeddings train whole matrices)")
+        if self.base_rows_lr_scale != 1.0 and not self.full_embeddings:
+            problems.append("base_rows_lr_scale: needs full_embeddings: true (otherwise base rows are frozen)")
         return problems
 
 

@@ -216,7 +216,8 @@ class Trainer:
 
     ``batch_fn(step, micro, rank)`` returns a batch dict for one micro-batch; ``loss_fn``
     turns a batch into a scalar loss (default: causal LM loss). ``parameters`` restricts what
-    is optimised (default: every parameter that requires grad).
+    is optimised (default: every parameter that requires grad); ``on_optimizer`` receives the
+    torch optimizer once it exists, before accelerate wraps it (for step hooks).
     """
 
     model: Any
@@ -228,6 +229,7 @@ class Trainer:
     name: str = "train"
     parameters: list[Any] | None = None
     eval_fn: Callable[[Any], dict[str, float]] | None = None
+    on_optimizer: Callable[[Any], None] | None = None
 
     def run(self) -> TrainResult:
         """Train, checkpointing every ``checkpoint_every`` steps; resume if a checkpoint exists."""
@@ -237,6 +239,8 @@ class Trainer:
         acc = self.accelerator or make_accelerator(self.ctx.device, self.p)
         params = self.parameters or [q for q in self.model.parameters() if q.requires_grad]
         opt = make_optimizer(params, self.p)
+        if self.on_optimizer is not None:
+            self.on_optimizer(opt)
         model, opt = acc.prepare(self.model, opt)
         latest = self._latest()
         start = self._resume(acc, latest)

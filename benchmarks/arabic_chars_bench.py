@@ -7,7 +7,8 @@ taking turns prompt by prompt, batch 1, stopping at EOS (what a user gets), on t
 Arabic prompts (each model's own tokenizer encodes the same opening words). Reported per model
 and decoding mode: decode tokens/s, generated characters and Arabic letters per token, Arabic
 letters per second, the ratio extended / base (issue 23's target: >= 1.3x) with a bootstrap
-interval over prompts, the share of letters written in other scripts (a model whose
+interval over prompts beside the ratio of letters per token (the part of it that timing noise
+on a shared machine cannot move), the share of letters written in other scripts (a model whose
 adaptation weakened its sense of the language drifts into Latin or Cyrillic words when it
 samples), and how many tokens the tokenizer itself would spend on the generated text per token
 the model generated (a model that has not learnt its new pieces spells words in old, shorter

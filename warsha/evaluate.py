@@ -96,6 +96,23 @@ class Likelihood:
         }
 
 
+def ratio_change(after: Sequence[float], before: Sequence[float]) -> tuple[float, float]:
+    """``sum(after) / sum(before) - 1`` and its standard error over documents, paired.
+
+    ``after`` and ``before`` are per-document negative log-likelihoods of the same documents
+    under two models (any tokenizers: the characters are the same, so the ratio of summed NLLs
+    is the ratio of bits per character). A ratio estimator: its linearised variance over
+    documents is ``n/(n-1) * sum_d (a_d - R b_d)^2 / B^2`` with ``B = sum_d b_d``.
+    """
+    if len(after) != len(before) or not after:
+        raise ValueError(f"ratio_change: need the same non-empty documents, got {len(after)} and {len(before)}")
+    total_b = math.fsum(before)
+    r = math.fsum(after) / total_b
+    n = len(after)
+    var = math.fsum((a - r * b) ** 2 for a, b in zip(after, before)) * n / max(n - 1, 1) / total_b**2
+    return r - 1.0, math.sqrt(var)
+
+
 def windows(n: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
     """Sliding windows ``(begin, end, scored)`` over ``n`` tokens: each window scores only
     its last ``scored`` targets, so every token after the first is scored exactly once."""

@@ -33,15 +33,21 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    target_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_i weights[i] * CE(hidden[i] @ weight.T, targets[i]) / sum(weights)``, fused.
 
     ``hidden`` [N, H], ``weight`` [V, H] (an ``nn.Linear`` weight without bias), ``targets`` [N]
     int64, ``weights`` [N] (0 drops a row). Logits are formed in float32; gradients come back
-    in the inputs' dtypes.
+    in the inputs' dtypes. Soft labels: ``targets`` [N, K] with ``target_probs`` [N, K], each row
+    summing to 1 (a teacher's top-K renormalised): the row's loss is the cross-entropy against
+    that distribution, which differs from the KL divergence by the teacher's entropy only.
     """
-    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, None, None)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, None, None, target_probs)
 
 
 def linear_cross_entropy_rows(
@@ -51,6 +57,7 @@ def linear_cross_entropy_rows(
     row_values: torch.Tensor,
     targets: torch.Tensor,
     weights: torch.Tensor,
+    target_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear_cross_entropy`` with a head whose rows ``rows`` hold ``row_values`` (``weight``
     already holds them too), differentiable in ``row_values`` only.
@@ -59,7 +66,7 @@ def linear_cross_entropy_rows(
     278k-row head), the weight gradient is needed for those rows alone; the full-matrix gradient
     costs as much as the logits themselves and is then mostly discarded.
     """
-    return _LinearCrossEntropy.apply(hidden, weight.detach(), targets, weights, rows, row_values)
+    return _LinearCrossEntropy.apply(hidden, weight.detach(), targets, weights, rows, row_values, target_probs)
 
 
 def _chunk_rows(vocab: int) -> int:
@@ -67,13 +74,22 @@ def _chunk_rows(vocab: int) -> int:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward computes the loss and, when asked for, both gradients; backward scales them."""
+    """Forward computes the loss and, when asked for, both gradients; backward scales them.
+
+    ``targets`` is [N] (one label per row) or [N, K] with ``target_probs`` [N, K] (a soft label
+    per row: the row's loss is ``sum_k p_k * CE(logits, t_k)``, a cross-entropy against a
+    sparse teacher distribution)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Any, weight: Any, targets: Any, weights: Any, rows: Any, row_values: Any) -> Any:  # noqa: D102
+    def forward(  # noqa: D102
+        ctx: Any, hidden: Any, weight: Any, targets: Any, weights: Any, rows: Any, row_values: Any, target_probs: Any
+    ) -> Any:
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[5]
         ctx.rows_only = rows is not None
         scale = weights.float() / weights.float().sum()
+        if targets.dim() == 1:
+            targets, target_probs = targets[:, None], torch.ones(len(targets), 1, device=hidden.device)
+        target_probs = target_probs.float()
         grad_h = torch.empty_like(hidden) if want_h else None
         w_shape = (len(rows), weight.shape[1]) if rows is not None else weight.shape
         grad_w = torch.zeros(w_shape, dtype=torch.float32, device=weight.device) if want_w else None
@@ -81,12 +97,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         step = _chunk_rows(weight.shape[0])
         for s in range(0, hidden.shape[0], step):
             e = min(s + step, hidden.shape[0])
-            h, t, w = hidden[s:e], targets[s:e, None], scale[s:e, None]
-            probs, nll = _chunk_loss(torch.mm(h, weight.t()).float(), t)
+            h, t, q, w = hidden[s:e], targets[s:e], target_probs[s:e], scale[s:e, None]
+            probs, nll = _chunk_loss(torch.mm(h, weight.t()).float(), t, q)
             loss += (nll * w.squeeze(1)).sum()
             if grad_h is None and grad_w is None:
                 continue
-            probs.scatter_add_(1, t, probs.new_full(t.shape, -1.0))  # softmax - one-hot: d nll / d logits
+            probs.scatter_add_(1, t, -q)  # softmax - target distribution: d nll / d logits
             # the row weights scale the GEMMs' small operands and outputs, not the [rows, vocab] block
             if grad_h is not None:
                 grad_h[s:e] = torch.mm(probs.to(weight.dtype), weight).mul_(w.to(weight.dtype))
@@ -103,12 +119,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = None if grad_h is None else grad_h * grad.to(grad_h.dtype)
         grad_w = None if grad_w is None else grad_w * grad.to(grad_w.dtype)
         if ctx.rows_only:
-            return grad_h, None, None, None, None, grad_w
-        return grad_h, grad_w, None, None, None, None
+            return grad_h, None, None, None, None, grad_w, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
-def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of ``logits`` (their buffer is reused) and the per-row negative log-likelihood.
+def _chunk_loss(
+    logits: torch.Tensor, targets: torch.Tensor, probs_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of ``logits`` (their buffer is reused) and the per-row cross-entropy against the
+    targets ``targets`` [rows, K] with probabilities ``probs_k`` [rows, K] (K = 1, p = 1: the NLL).
 
     One fused softmax pass replaces the subtract / exponentiate / sum / divide passes over the
     ``[rows, vocab]`` block, which on a CPU are bound by memory (the block is far larger than the
@@ -116,7 +135,7 @@ def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tens
     probability is ``1 / sum(exp(logit - peak))``, which is at least ``1 / vocab`` and so never
     underflows, whatever the target's probability.
     """
-    target_logit = logits.gather(1, targets).squeeze(1)
+    target_logit = (logits.gather(1, targets) * probs_k).sum(1)
     peak, where = logits.max(-1, keepdim=True)
     # in place on CPU, where torch's last-dimension kernel reads each row before writing it
     # (tests/warsha/test_lm_loss.py checks it against float64); a copy elsewhere
@@ -151,14 +170,39 @@ class TrainableTokensHead:
         return ids, values
 
 
-def head_loss(hidden: torch.Tensor, head: Any, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The fused loss against ``head`` (from ``plain_head``); a trainable-tokens head's weight
-    gradient is formed for its trained rows only."""
+def head_loss(
+    hidden: torch.Tensor,
+    head: Any,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    target_probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fused loss against ``head`` (from ``plain_head``), hard or soft labels; a
+    trainable-tokens head's weight gradient is formed for its trained rows only."""
     trained = head.trained_rows() if isinstance(head, TrainableTokensHead) else None
     if trained is None or not trained[1].requires_grad:
-        return linear_cross_entropy(hidden, head.weight, targets, weights)
+        return linear_cross_entropy(hidden, head.weight, targets, weights, target_probs)
     ids, values = trained
-    return linear_cross_entropy_rows(hidden, head.weight, ids, values, targets, weights)
+    return linear_cross_entropy_rows(hidden, head.weight, ids, values, targets, weights, target_probs)
+
+
+def soft_lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of the model's next-token distributions against a sparse teacher's.
+
+    ``batch``: ``input_ids`` [B, L], ``teacher_ids`` [B, L-1, K] and ``teacher_probs``
+    [B, L-1, K] (rows summing to 1): at position t the teacher's top-K next tokens after
+    ``input_ids[:, :t+1]``. Minimising it minimises KL(teacher || model) on the teacher's top-K.
+    """
+    ids, t_ids, t_probs = batch["input_ids"], batch["teacher_ids"], batch["teacher_probs"]
+    parts = plain_head(model)
+    if parts is None:
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1)
+        return -(logp.gather(-1, t_ids) * t_probs).sum(-1).mean()
+    decoder, head = parts
+    hidden = decoder(input_ids=ids).last_hidden_state[:, :-1]
+    flat, k = hidden.reshape(-1, hidden.shape[-1]), t_ids.shape[-1]
+    ones = torch.ones(flat.shape[0], device=flat.device)
+    return head_loss(flat, head, t_ids.reshape(-1, k).to(flat.device), ones, t_probs.reshape(-1, k).to(flat.device))
 
 
 def _plain_linear(head: Any) -> bool:

@@ -169,3 +169,61 @@ def test_peft_trainable_token_rows_are_fused_and_equal_the_model_forward(tie: bo
         base = lm_loss.plain_head(peft_model)[1].layer.base_layer.weight
         assert torch.equal(lm_loss.plain_head(peft_model)[1].weight, base)
     assert not torch.equal(lm_loss.plain_head(peft_model)[1].weight, base)  # on again: the trained rows
+
+
+def _soft_targets(n: int, vocab: int, k: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n)])
+    probs = torch.rand(n, k, generator=g) ** 3
+    return ids, probs / probs.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 7 * 50])
+def test_soft_labels_match_float64_cross_entropy(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+    """Soft labels: sum_k p_k * CE(logits, t_k), and its gradients, against float64 log-softmax."""
+    monkeypatch.setattr(lm_loss, "CHUNK_ELEMENTS", chunk_elements)
+    h, w, _, wt = _inputs(19, 16, 50, seed=7)
+    ids, probs = _soft_targets(19, 50, 6)
+    h32, w32 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    got = linear_cross_entropy(h32, w32, ids, wt, probs)
+    row = -(torch.log_softmax(h64 @ w64.t(), -1).gather(1, ids) * probs.double()).sum(1)
+    ref = (row * wt.double()).sum() / wt.double().sum()
+    got.backward()
+    ref.backward()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_soft_lm_loss_fused_equals_the_models_own_forward() -> None:
+    """The fused path of soft_lm_loss against the model's logits in float64, loss and gradients;
+    with a one-hot teacher on the next tokens it is the plain causal-LM loss."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 96, (3, 12))
+    t_ids, t_probs = _soft_targets(3 * 11, 96, 4)
+    batch = {"input_ids": ids, "teacher_ids": t_ids.view(3, 11, 4), "teacher_probs": t_probs.view(3, 11, 4)}
+    got = lm_loss.soft_lm_loss(model, batch)
+    got.backward()
+    fused = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+    model64 = LlamaForCausalLM(cfg).double()
+    model64.load_state_dict(model.state_dict())
+    logp = torch.log_softmax(model64(input_ids=ids).logits[:, :-1], -1)
+    ref = -(logp.gather(-1, batch["teacher_ids"]) * batch["teacher_probs"].double()).sum(-1).mean()
+    ref.backward()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    for name, q in model64.named_parameters():
+        torch.testing.assert_close(fused[name].double(), q.grad, rtol=1e-4, atol=1e-6)
+    one_hot = {"input_ids": ids, "teacher_ids": ids[:, 1:, None], "teacher_probs": torch.ones(3, 11, 1)}
+    torch.testing.assert_close(lm_loss.soft_lm_loss(model, one_hot), causal_lm_loss(model, {"input_ids": ids}))

@@ -136,8 +136,8 @@ def run(ctx: "StageContext", p: "EmbedParams") -> dict[str, Any]:
         "tied": info["tied"],
         "mean_pieces_per_new_row": sum(map(len, sources)) / max(len(sources), 1),
     }
-    if p.eval_docs:
-        metrics["bits_per_char"] = _compare(ctx, p, model, ext_tok)
+    if p.eval_docs or p.domain_eval:
+        metrics.update(_compare(ctx, p, model, ext_tok))
     if ctx.is_main:
         model.save_pretrained(ctx.out_dir)
         carry_tokenizer(ctx.model_dir, ctx.out_dir, {**side, "padded_vocab_size": target, "init": p.init})
@@ -156,16 +156,31 @@ def carry_tokenizer(src: Path, dst: Path, side: dict[str, Any]) -> None:
 
 
 def _compare(ctx: "StageContext", p: "EmbedParams", model: Any, ext_tok: Any) -> dict[str, Any]:
-    """Bits per char on held-out text: base model + base tokenizer vs. extended at init."""
+    """Base model + base tokenizer against the extended model at init: bits per character on the
+    corpus's held-out text, and on the other-domain sets with their tokens per word."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenizer_ext.quality import bits_per_char
+    from tokenizer_ext import quality
+    from warsha.evaluate import fertility, hf_encoder
 
     base_model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
     base_tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
     corpus = ctx.corpus()
-    out = {}
-    for name, m, tok in (("base", base_model, base_tok), ("extended_init", model, ext_tok)):
-        out[name] = bits_per_char(m, tok, corpus, p.eval_docs, p.eval_max_length)
+    models = {"base": (base_model, base_tok), "extended_init": (model, ext_tok)}
+    out: dict[str, Any] = {}
+    if p.eval_docs:
+        out["bits_per_char"] = {
+            name: quality.bits_per_char(m, tok, corpus, p.eval_docs, p.eval_max_length)
+            for name, (m, tok) in models.items()
+        }
+    if p.domain_eval:
+        sets = quality.domain_texts(p.domain_eval, p.domain_docs, corpus)
+        scores = {name: quality.document_nll(m, tok, sets, p.eval_max_length) for name, (m, tok) in models.items()}
+        report = quality.domain_report(scores, sets, reference="base")
+        report["tokens_per_word"] = {
+            name: {who: fertility(hf_encoder(tok), texts).tokens_per_word for who, (_, tok) in models.items()}
+            for name, texts in sets.items()
+        }
+        out["other_domains"] = report
     return out

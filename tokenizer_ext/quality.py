@@ -6,11 +6,13 @@ different numbers of tokens, so only a per-character figure compares them.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from tokenizer_ext import script_leak as leak
-from warsha.evaluate import likelihood
+from warsha import domains
+from warsha.evaluate import likelihood, ratio_change
 
 SPLIT = "validation"
 
@@ -30,6 +32,62 @@ def bits_per_char(
         texts = corpus.texts(lang, SPLIT)[:docs]
         out[lang] = likelihood(model, tok, texts, max_length, batch_size=8, desc=f"bpc {lang}").bits_per_char
     return out
+
+
+def domain_texts(names: list[str], docs: int, corpus: Any) -> dict[str, list[str]]:
+    """The other-domain held-out sets (``warsha.domains``), normalised as the training corpus."""
+    return {name: domains.load(name, docs, corpus.config.strip_diacritics) for name in names}
+
+
+def document_nll(
+    model: Any, tok: Any, sets: dict[str, list[str]], max_length: int, set_eval: bool = True
+) -> dict[str, list[float]]:
+    """Negative log-likelihood (nats) of each document of each set: the unit paired comparisons
+    sample is the document, so per-document sums are kept (``set_eval`` as in ``bits_per_char``)."""
+    if set_eval:
+        model.eval()
+    return {
+        name: [likelihood(model, tok, [t], max_length, desc=f"bpc {name}").nll_nats for t in texts]
+        for name, texts in sets.items()
+    }
+
+
+def domain_bpc(nll: dict[str, list[float]], sets: dict[str, list[str]]) -> dict[str, float]:
+    """Bits per character of each set from its per-document NLLs (nats)."""
+    return {name: math.fsum(v) / math.log(2) / max(sum(len(t) for t in sets[name]), 1) for name, v in nll.items()}
+
+
+def domain_report(
+    scores: dict[str, dict[str, list[float]]], sets: dict[str, list[str]], reference: str
+) -> dict[str, Any]:
+    """Bits per character per model and set, each model's change against ``reference`` with its
+    paired standard error over documents (same documents, same characters), and the
+    per-document NLLs themselves."""
+    chars = {name: sum(len(t) for t in texts) for name, texts in sets.items()}
+    bpc = {model: domain_bpc(per_set, sets) for model, per_set in scores.items()}
+    change: dict[str, Any] = {}
+    for model, per_set in scores.items():
+        if model == reference:
+            continue
+        change[model] = {}
+        for name, nll in per_set.items():
+            rel, se = ratio_change(nll, scores[reference][name])
+            change[model][name] = {"change": rel, "se": se}
+    described = {
+        name: {
+            "lang": domains.DOMAINS[name].lang,
+            "source": domains.DOMAINS[name].source,
+            "docs": len(t),
+            "chars": chars[name],
+        }
+        for name, t in sets.items()
+    }
+    return {
+        "sets": described,
+        "bits_per_char": bpc,
+        f"change_vs_{reference}": change,
+        "nll_per_document": scores,  # nats; lets a later run pair its models against these
+    }
 
 
 def script_leak(model: Any, tok: Any, corpus: Any, docs: int, max_length: int) -> dict[str, float]:

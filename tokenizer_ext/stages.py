@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from warsha import domains
 from warsha.schema import check, ge, gt, le
 from warsha.stage import StageDef
 from warsha.training import TrainParams
@@ -38,7 +39,23 @@ class ExtendParams:
 
 
 @dataclass
-class EmbedParams:
+class DomainEval:
+    """Held-out text from other domains than the training corpus (``warsha.domains``), scored
+    for every model a stage compares: forgetting shows there, not on the training corpus."""
+
+    domain_eval: list[str] = field(
+        default_factory=lambda: list(domains.DOMAINS),
+        metadata=check(help=f"other-domain sets to score ({', '.join(domains.DOMAINS)}; [] = skip)"),
+    )
+    domain_docs: int = field(default=16, metadata=check(ge(1), help="documents per other-domain set"))
+
+    def validate(self) -> list[str]:
+        """Every set is known and its package installed."""
+        return domains.problems(self.domain_eval, "domain_eval")
+
+
+@dataclass
+class EmbedParams(DomainEval):
     """``tokenizer_ext.embed``: resize, initialise and measure the untrained extension."""
 
     init: Literal["subword_mean", "random", "mean_all"] = field(
@@ -53,7 +70,7 @@ class EmbedParams:
 
 
 @dataclass
-class AdaptParams:
+class AdaptParams(DomainEval):
     """``tokenizer_ext.adapt``: teach the model its new pieces (QLoRA or full/embeddings)."""
 
     mode: Literal["qlora", "full", "embeddings"] = "qlora"
@@ -87,16 +104,40 @@ class AdaptParams:
     eval_docs: int = field(default=64, metadata=check(ge(1)))
     eval_max_length: int = field(default=256, metadata=check(ge(8)))
     gen_tokens: int = field(default=64, metadata=check(ge(0), help="greedy tokens per prompt for chars/s (0 = skip)"))
+    replay_fraction: float = field(
+        default=0.0,
+        metadata=check(
+            ge(0.0),
+            le(0.9),
+            help="share of each batch's sequences written by the base, trained on the base's own distributions",
+        ),
+    )
+    replay_weight: float = field(default=1.0, metadata=check(gt(0.0), help="weight of the replay (distillation) loss"))
+    replay_top_k: int = field(default=32, metadata=check(ge(1), help="teacher tokens kept per replay position"))
+    lora_layers: list[int] | None = field(
+        default=None, metadata=check(help="qlora: decoder layers that get LoRA (null = all; e.g. first and last two)")
+    )
 
     def validate(self) -> list[str]:
         """Options that only make sense in some modes."""
-        problems = []
+        problems = super().validate()
         if self.mode == "qlora" and self.deepspeed:
             problems.append("deepspeed: QLoRA runs without DeepSpeed here; use mode full or embeddings")
         if self.offload_optimizer and not self.deepspeed:
             problems.append("offload_optimizer: needs a deepspeed config")
         if self.full_embeddings and self.mode != "qlora":
             problems.append("full_embeddings: only for mode qlora (full/embeddings train whole matrices)")
+        if self.replay_fraction and self.deepspeed:
+            problems.append("replay_fraction: the replay loss runs in the Trainer, not under DeepSpeed yet")
+        if self.replay_fraction and round(self.train.batch_size * self.replay_fraction) == 0:
+            problems.append(
+                f"replay_fraction: {self.replay_fraction} of batch_size {self.train.batch_size} is no sequence;"
+                " raise it or the batch size"
+            )
+        if self.replay_fraction and round(self.train.batch_size * self.replay_fraction) >= self.train.batch_size:
+            problems.append("replay_fraction: leaves no corpus sequence in a batch; lower it or raise batch_size")
+        if self.lora_layers is not None and (self.mode != "qlora" or not self.lora_layers):
+            problems.append("lora_layers: a non-empty list of layer indices, for mode qlora only")
         if self.base_rows_lr_scale != 1.0 and not self.full_embeddings:
             problems.append("base_rows_lr_scale: needs full_embeddings: true (otherwise base rows are frozen)")
         return problems

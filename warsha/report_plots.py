@@ -96,22 +96,25 @@ def plot_quantization(m: dict[str, Any], out: Path, name: str) -> list[PlotResul
 
 
 def plot_adaptation(m: dict[str, Any], out: Path, name: str) -> list[PlotResult]:
-    """Held-out bits per character against training step, extended model and base control."""
+    """Held-out bits per character against training step, extended model and base control, on the
+    corpus's held-out text (circles) and on the other-domain sets (squares), one line style per set."""
     metrics = m.get("metrics", {})
     runs = {
         label: _get(metrics, key, "bits_per_char_curve")
         for key, label in (("extended", "extended"), ("base_same_budget", "base, same budget"))
     }
     runs = {k: v for k, v in runs.items() if v}
-    title = "Adaptation: held-out bits per character during training"
+    title = "Adaptation: held-out bits per character during training, in and out of domain"
     if not runs:
         return [(title, None, "no bits_per_char_curve in the manifest (set train.eval_every)")]
     fig, ax = _figure()
-    for label, curve in runs.items():
-        for lang, style in (("ar", "-"), ("en", "--")):
-            pts = [(c["step"], c[lang]) for c in curve if lang in c]
-            if pts:
-                ax.plot(*zip(*pts), style, marker="o", markersize=3, label=f"{label} ({lang})")
+    styles = ["-", "--", "-.", ":", (0, (5, 1)), (0, (1, 3)), (0, (3, 1, 1, 1))]
+    for color, (label, curve) in zip(("C0", "C1"), runs.items()):
+        keys = list(dict.fromkeys(k for c in curve for k in c if k != "step"))
+        for key, style in zip(keys, styles):
+            pts = [(c["step"], c[key]) for c in curve if key in c]
+            marker = "o" if key in ("ar", "en") else "s"
+            ax.plot(*zip(*pts), linestyle=style, color=color, marker=marker, markersize=3, label=f"{label} ({key})")
     ax.set_xlabel("step")
     ax.set_ylabel("bits per character (held-out)")
     ax.legend(fontsize=8)

@@ -121,5 +121,5 @@ def sp_embedded_dir(tmp_path_factory: pytest.TempPathFactory, sp_extended_dir: P
 
     tmp = tmp_path_factory.mktemp("sp_embedded")
     ctx = make_ctx(tmp, sp_extended_dir, corpus, "embed")
-    embed.run(ctx, EmbedParams(eval_docs=0))
+    embed.run(ctx, EmbedParams(eval_docs=0, domain_eval=[]))
     return ctx.out_dir

@@ -71,7 +71,7 @@ def test_unaligned_vocab_is_padded_to_multiple(tmp_path: Path, sp_extended_dir: 
     n = len(AutoTokenizer.from_pretrained(sp_extended_dir))
     assert n % 32 != 0, "fixture should exercise padding"
     ctx = make_ctx(tmp_path, sp_extended_dir, corpus, "embed")
-    metrics = embed.run(ctx, EmbedParams(pad_to_multiple_of=32, eval_docs=0, init="mean_all"))
+    metrics = embed.run(ctx, EmbedParams(pad_to_multiple_of=32, eval_docs=0, init="mean_all", domain_eval=[]))
     emb, _ = _weights(ctx.out_dir)
     assert emb.shape[0] == metrics["rows"] == -(-n // 32) * 32 and metrics["padding_rows"] > 0
     assert torch.isfinite(emb).all()
@@ -96,7 +96,7 @@ def test_tied_embeddings(tmp_path: Path, sp_extended_dir: Path, corpus: Any) -> 
         (src / f).unlink()
     tiny_llama(src, 32000, tie=True)
     ctx = make_ctx(tmp_path, src, corpus, "embed")
-    metrics = embed.run(ctx, EmbedParams(eval_docs=2, eval_max_length=32))
+    metrics = embed.run(ctx, EmbedParams(eval_docs=2, eval_max_length=32, domain_eval=[]))
     assert metrics["tied"] is True
     from transformers import AutoModelForCausalLM
 
@@ -110,3 +110,32 @@ def test_missing_sidecar_is_a_clear_error(tmp_path: Path, sp_model_dir: Path, co
     ctx = make_ctx(tmp_path, sp_model_dir, corpus, "embed")
     with pytest.raises(ValueError, match="run tokenizer_ext.extend"):
         embed.run(ctx, EmbedParams())
+
+
+def test_other_domain_sets_are_scored_for_both_models(tmp_path: Path, sp_extended_dir: Path, corpus: Any) -> None:
+    """embed scores the base and the freshly extended model on the other-domain sets: bits/char
+    that equal one likelihood pass over each set, the paired change, and tokens per word."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenizer_ext import quality
+    from warsha.evaluate import likelihood
+
+    ctx = make_ctx(tmp_path, sp_extended_dir, corpus, "embed")
+    m = embed.run(ctx, EmbedParams(eval_docs=0, domain_eval=["ar_msa", "en_essays"], domain_docs=3))
+    report = m["other_domains"]
+    assert set(report["sets"]) == {"ar_msa", "en_essays"} and report["sets"]["ar_msa"]["docs"] == 3
+    base = AutoModelForCausalLM.from_pretrained(sp_extended_dir, dtype=torch.float32)
+    base_tok = AutoTokenizer.from_pretrained(sp_extended_dir / "base_tokenizer")
+    texts = quality.domain_texts(["ar_msa"], 3, corpus)["ar_msa"]
+    whole = likelihood(base, base_tok, texts, EmbedParams().eval_max_length).bits_per_char
+    assert report["bits_per_char"]["base"]["ar_msa"] == pytest.approx(whole, rel=1e-5)
+    ratio = report["bits_per_char"]["extended_init"]["ar_msa"] / report["bits_per_char"]["base"]["ar_msa"]
+    change = report["change_vs_base"]["extended_init"]["ar_msa"]
+    assert change["change"] == pytest.approx(ratio - 1, rel=1e-9) and change["se"] > 0
+    tpw = report["tokens_per_word"]["ar_msa"]
+    assert tpw["extended_init"] < tpw["base"]  # the added Arabic pieces shorten Arabic text
+    assert (
+        report["tokens_per_word"]["en_essays"]["extended_init"]
+        == pytest.approx(tpw_en := report["tokens_per_word"]["en_essays"]["base"])
+        and tpw_en > 1
+    )

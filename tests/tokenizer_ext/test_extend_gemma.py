@@ -109,7 +109,7 @@ def test_embed_keeps_the_tie(gemma_extended: tuple[Path, dict], tmp_path: Path, 
 
     ext_dir, m = gemma_extended
     ctx = make_ctx(tmp_path, ext_dir, corpus, "embed")
-    metrics = embed.run(ctx, EmbedParams(eval_docs=0, pad_to_multiple_of=64))
+    metrics = embed.run(ctx, EmbedParams(eval_docs=0, pad_to_multiple_of=64, domain_eval=[]))
     assert metrics["tied"] is True
     model = AutoModelForCausalLM.from_pretrained(ctx.out_dir, dtype=torch.float32)
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight

@@ -16,6 +16,7 @@ from tokenizer_ext import embed, quality
 from warsha.precision import compute_dtype
 
 if TYPE_CHECKING:
+    from tokenizer_ext.replay import Replay
     from tokenizer_ext.stages import AdaptParams
     from warsha.stage import StageContext
 
@@ -36,18 +37,92 @@ def run(ctx: "StageContext", p: "AdaptParams") -> dict[str, Any]:
         )
     texts = training_texts(ctx.corpus(), p, ctx.seed)
     new_ids = list(range(int(side["base_vocab_size"]), _tokenizer_size(ctx.model_dir)))
+    sets = quality.domain_texts(p.domain_eval, p.domain_docs, ctx.corpus())
     metrics: dict[str, Any] = {"mode": p.mode, "train_docs": len(texts), "deepspeed": p.deepspeed}
-    metrics["extended"] = adapt_one(ctx, p, ctx.model_dir, ctx.model_dir, new_ids, "extended", ctx.out_dir)
+    rep = _replay(ctx, p, side, metrics) if p.replay_fraction else None
+    domain_nll: dict[str, dict[str, list[float]]] = {}
+    metrics["extended"] = adapt_one(ctx, p, ctx.model_dir, ctx.model_dir, new_ids, "extended", ctx.out_dir, sets, rep)
     if base_dir is not None:
         tok_dir = ctx.model_dir / "base_tokenizer"
-        metrics["base_same_budget"] = adapt_one(ctx, p, base_dir, tok_dir, [], "base", None)
+        metrics["base_same_budget"] = adapt_one(ctx, p, base_dir, tok_dir, [], "base", None, sets, rep)
         if ctx.is_main:
-            metrics["base_model"] = _base_scores(ctx, p, base_dir, tok_dir)
+            metrics["base_model"] = _base_scores(ctx, p, base_dir, tok_dir, sets)
             metrics["targets"] = targets(metrics)
+    for name in ("extended", "base_same_budget", "base_model"):
+        if name in metrics and DOMAIN_NLL in metrics[name]:
+            domain_nll[name] = metrics[name].pop(DOMAIN_NLL)
+    if domain_nll and ctx.is_main:
+        reference = "base_model" if "base_model" in domain_nll else "extended"
+        metrics["other_domains"] = quality.domain_report(domain_nll, sets, reference=reference)
     if ctx.is_main:
         side_out = {**side, "adapted": p.mode}
         embed.carry_tokenizer(ctx.model_dir, ctx.out_dir, side_out)
     return metrics
+
+
+DOMAIN_NLL = "_domain_nll"
+"""Key under which each model's per-document other-domain NLLs travel until the report pairs them."""
+
+
+REPLAY = "replay_"
+"""Prefix of a batch's replay tensors (``Replay.batch`` keys), beside the corpus ``input_ids``."""
+
+
+def replay_rows(p: "AdaptParams") -> int:
+    """Replay sequences per micro-batch: ``replay_fraction`` of ``batch_size``, the rest corpus."""
+    return round(p.train.batch_size * p.replay_fraction) if p.replay_fraction else 0
+
+
+def replay_loss(p: "AdaptParams") -> Any:
+    """The training loss: next-token loss on the corpus windows, plus ``replay_weight`` times the
+    cross-entropy against the base's distributions on the replay sequences, each weighted by its
+    share of the batch (so without replay this is the plain causal-LM loss)."""
+    from warsha.lm_loss import causal_lm_loss, soft_lm_loss
+
+    n_rep = replay_rows(p)
+    share = n_rep / p.train.batch_size
+
+    def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+        loss = causal_lm_loss(model, {"input_ids": batch["input_ids"]})
+        if not n_rep:
+            return loss
+        soft = soft_lm_loss(model, {k[len(REPLAY) :]: v for k, v in batch.items() if k.startswith(REPLAY)})
+        return (1 - share) * loss + share * p.replay_weight * soft
+
+    return loss_fn
+
+
+def _replay(ctx: "StageContext", p: "AdaptParams", side: dict[str, Any], metrics: dict[str, Any]) -> "Replay":
+    """The base-written replay set, generated once per stage run (kept beside its checkpoints, so
+    a resumed run trains on the same sequences); languages alternate target / source."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenizer_ext.replay import Replay, generate
+
+    path = ctx.checkpoint_dir / "replay.pt"
+    t0 = time.perf_counter()
+    if path.is_file():
+        rep = Replay.load(path)
+    else:
+        cfg = ctx.corpus().config
+        n = p.train.steps * p.train.grad_accum * ctx.world_size * replay_rows(p)
+        langs = [cfg.target_lang if i % 2 == 0 else cfg.source_lang for i in range(n)]
+        model = AutoModelForCausalLM.from_pretrained(base_model_dir(ctx, side), dtype=torch.float32)
+        model = model.to(compute_dtype(p.train.bf16, "auto"))
+        tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
+        rep = generate(model, tok, langs, p.train.seq_len, p.replay_top_k, ctx.seed)
+        if ctx.is_main:
+            rep.save(path)
+    metrics["replay"] = {
+        "sequences": len(rep.langs),
+        "tokens": int(rep.ids.numel()),
+        "languages": {lang: rep.langs.count(lang) for lang in sorted(set(rep.langs))},
+        "seconds": time.perf_counter() - t0,
+    }
+    return rep
 
 
 def base_model_dir(ctx: "StageContext", side: dict[str, Any]) -> Path:
@@ -79,9 +154,20 @@ def training_texts(corpus: Any, p: "AdaptParams", seed: int) -> list[str]:
 
 
 def adapt_one(
-    ctx: "StageContext", p: "AdaptParams", weights: Path, tok_dir: Path, new_ids: list[int], name: str, out: Path | None
+    ctx: "StageContext",
+    p: "AdaptParams",
+    weights: Path,
+    tok_dir: Path,
+    new_ids: list[int],
+    name: str,
+    out: Path | None,
+    sets: dict[str, list[str]],
+    rep: "Replay | None" = None,
 ) -> dict[str, Any]:
-    """Train one model with the shared budget; evaluate and (if ``out``) save it on rank 0."""
+    """Train one model with the shared budget; evaluate and (if ``out``) save it on rank 0.
+
+    With ``rep``, each batch holds ``replay_rows`` base-written sequences beside the corpus
+    windows, trained against the base's own distributions (``replay_loss``)."""
     from transformers import AutoTokenizer
 
     from warsha.training import pack_documents, random_windows
@@ -91,13 +177,22 @@ def adapt_one(
     stream = pack_documents(tok, training_texts(corpus, p, ctx.seed))
     t = p.train
 
+    n_rep = replay_rows(p)
+
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
-        return {"input_ids": random_windows(stream, t.batch_size, t.seq_len, ctx.seed, step, micro, rank)}
+        batch = {"input_ids": random_windows(stream, t.batch_size - n_rep, t.seq_len, ctx.seed, step, micro, rank)}
+        if rep is not None:
+            first = ((step * t.grad_accum + micro) * ctx.world_size + rank) * n_rep
+            rows = [(first + j) % len(rep.ids) for j in range(n_rep)]
+            batch.update({REPLAY + k: v for k, v in rep.batch(rows).items()})
+        return batch
 
     def eval_fn(model: Any) -> dict[str, float]:
-        return quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length, set_eval=False)
+        curve = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length, set_eval=False)
+        nll = quality.document_nll(model, tok, sets, p.eval_max_length, set_eval=False)
+        return {**curve, **quality.domain_bpc(nll, sets)}
 
-    model, result, extra = _train(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn)
+    model, result, extra = _train(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, replay_loss(p))
     step = max(1, len(result.losses) // 50)
     metrics: dict[str, Any] = {
         **result.summary(),
@@ -110,6 +205,8 @@ def adapt_one(
         return metrics
     metrics["bits_per_char"] = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length)
     metrics["script_leak"] = quality.script_leak(model, tok, corpus, p.eval_docs, p.eval_max_length)
+    if sets:
+        metrics[DOMAIN_NLL] = quality.document_nll(model, tok, sets, p.eval_max_length)
     if out is not None:
         model.save_pretrained(out)
     if p.gen_tokens:
@@ -127,6 +224,7 @@ def _train(
     batch_fn: Any,
     out: Path | None,
     eval_fn: Any,
+    loss_fn: Any,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Dispatch on the mode; returns (plain model on rank 0 or None, TrainResult, info).
 
@@ -134,7 +232,7 @@ def _train(
     whose partitioned parameters cannot be evaluated on one rank).
     """
     if p.mode == "qlora":
-        return _train_qlora(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn)
+        return _train_qlora(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, loss_fn)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +251,14 @@ def _train(
     from warsha.training import Trainer
 
     trainer = Trainer(
-        model=model, p=p.train, ctx=ctx, batch_fn=batch_fn, name=f"adapt_{name}", parameters=trainable, eval_fn=eval_fn
+        model=model,
+        p=p.train,
+        ctx=ctx,
+        batch_fn=batch_fn,
+        loss_fn=loss_fn,
+        name=f"adapt_{name}",
+        parameters=trainable,
+        eval_fn=eval_fn,
     )
     result = trainer.run()
     return (trainer.model.float() if ctx.is_main else None), result, info
@@ -182,6 +287,7 @@ def _train_qlora(
     batch_fn: Any,
     out: Path | None,
     eval_fn: Any,
+    loss_fn: Any,
 ) -> tuple[Any, Any, dict[str, Any]]:
     from transformers import AutoConfig
 
@@ -200,6 +306,7 @@ def _train_qlora(
         p.full_embeddings,
         bf16=p.train.bf16,
         seed=ctx.seed,
+        layers=p.lora_layers,
     )
     trainable, total = qlora.trainable_count(model)
     trainer = Trainer(
@@ -207,6 +314,7 @@ def _train_qlora(
         p=p.train,
         ctx=ctx,
         batch_fn=batch_fn,
+        loss_fn=loss_fn,
         name=f"adapt_{name}",
         eval_fn=eval_fn,
         on_optimizer=_slow_base_rows(model, p, new_ids),
@@ -250,7 +358,9 @@ def _select(model: Any, mode: str) -> list[Any]:
     return [q for q in model.parameters() if q.requires_grad]
 
 
-def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir: Path) -> dict[str, Any]:
+def _base_scores(
+    ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir: Path, sets: dict[str, list[str]]
+) -> dict[str, Any]:
     """The unadapted base model on its own tokenizer: the reference English must stay near."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -262,6 +372,8 @@ def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir:
         "bits_per_char": quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length),
         "script_leak": quality.script_leak(model, tok, corpus, p.eval_docs, p.eval_max_length),
     }
+    if sets:
+        out[DOMAIN_NLL] = quality.document_nll(model, tok, sets, p.eval_max_length)
     if p.gen_tokens:
         out["generation"] = quality.generation_speed(
             model.to(compute_dtype(None, "auto")), tok, quality.prompts(corpus), p.gen_tokens

@@ -49,9 +49,12 @@ def load(
     full_embeddings: bool,
     bf16: bool | None = None,
     seed: int | None = None,
+    layers: list[int] | None = None,
 ) -> Any:
     """The 4-bit base wrapped in a LoRA model with the new rows (or matrices) trainable.
 
+    ``layers`` restricts LoRA to those decoder layers (all when None): tuning few layers, e.g. the
+    first and last two (Yamaguchi et al. 2024), moves less of what the base knows.
     ``seed`` fixes LoRA's random initial A matrices. peft draws them from torch's global
     generator, so without it they depend on whatever the process drew before (a stage run alone
     and the same stage inside a whole recipe would start from different adapters).
@@ -80,8 +83,18 @@ def load(
         extra["ensure_weight_tying"] = tied
     elif new_ids:
         extra["trainable_token_indices"] = {name: list(new_ids) for name in heads}
+    targets: Any = "all-linear"
+    if layers is not None:  # peft takes layers_to_transform only with the modules named
+        extra["layers_to_transform"] = list(layers)
+        targets = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in model.named_modules()
+                if ".layers." in n and isinstance(m, torch.nn.Linear)
+            }
+        )
     cfg = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM", **extra
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM", **extra
     )
     if seed is not None:
         torch.manual_seed(seed)

@@ -51,6 +51,7 @@ def main() -> None:
     train = TrainParams(steps=6, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=1, checkpoint_every=3, log_every=1)
     p = AdaptParams(
         mode="full",
+        domain_eval=[],
         train=train,
         deepspeed=config,
         compare_base=False,

@@ -27,6 +27,7 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
 
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
     p = AdaptParams(
+        domain_eval=[],
         train=TrainParams(**{**TINY, "steps": 1, "eval_every": 1, "bf16": True}),
         compare_base=False,
         eval_docs=1,
@@ -61,7 +62,12 @@ def test_compare_base_scores_every_model(
     like the extended model: bits/char, script leak, and the targets computed from them."""
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt", base=sp_model_dir)
     p = AdaptParams(
-        train=TrainParams(**{**TINY, "steps": 1}), eval_docs=1, eval_max_length=32, gen_tokens=0, train_docs=20
+        domain_eval=[],
+        train=TrainParams(**{**TINY, "steps": 1}),
+        eval_docs=1,
+        eval_max_length=32,
+        gen_tokens=0,
+        train_docs=20,
     )
     m = adapt.run(ctx, p)
     for name in ("extended", "base_same_budget", "base_model"):
@@ -89,7 +95,9 @@ def test_lora_initialisation_follows_the_seed_not_the_process(sp_embedded_dir: P
 @pytest.mark.slow
 def test_qlora_same_budget_comparison(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
-    p = AdaptParams(train=TrainParams(**TINY), eval_docs=2, eval_max_length=32, gen_tokens=4, train_docs=40)
+    p = AdaptParams(
+        domain_eval=[], train=TrainParams(**TINY), eval_docs=2, eval_max_length=32, gen_tokens=4, train_docs=40
+    )
     m = adapt.run(ctx, p)
     ext, ctl = m["extended"], m["base_same_budget"]
     assert ext["trainable_new_rows"] > 0 and ctl["trainable_new_rows"] == 0
@@ -110,6 +118,7 @@ def test_embeddings_mode_and_resume(tmp_path: Path, sp_embedded_dir: Path, corpu
     """Only embedding and LM head change; a rerun resumes from the saved checkpoint."""
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
     p = AdaptParams(
+        domain_eval=[],
         mode="embeddings",
         train=TrainParams(**{**TINY, "steps": 3}),
         compare_base=False,
@@ -133,6 +142,7 @@ def test_qlora_full_embeddings_option(tmp_path: Path, sp_embedded_dir: Path, cor
     """modules_to_save trains whole matrices: base rows move too."""
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
     p = AdaptParams(
+        domain_eval=[],
         train=TrainParams(**{**TINY, "steps": 1}),
         full_embeddings=True,
         compare_base=False,
@@ -154,6 +164,7 @@ def test_full_embeddings_with_frozen_base_rows(tmp_path: Path, sp_embedded_dir: 
     float32 throughout: a bf16 compute dtype would round the trained copy of the matrix."""
     ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt")
     p = AdaptParams(
+        domain_eval=[],
         train=TrainParams(**{**TINY, "steps": 2, "bf16": False}),
         full_embeddings=True,
         base_rows_lr_scale=0.0,
@@ -213,3 +224,43 @@ def test_targets_count_improvement_as_met() -> None:
     assert t["ar_bpc_at_most_5pct_worse"] is False
     assert t["en_bpc_change_vs_base_model"] == pytest.approx(-0.13)
     assert t["en_bpc_at_most_5pct_worse"] is True
+
+
+def test_replay_lora_layers_and_other_domains(
+    tmp_path: Path, sp_embedded_dir: Path, sp_model_dir: Path, corpus: Any
+) -> None:
+    """Replay: the base writes one sequence per replay row of every step (languages alternating),
+    kept beside the checkpoints; LoRA on layer 1 only leaves layer 0 as it was; every model is
+    scored on the other-domain sets, paired against the unadapted base."""
+    ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "adapt", base=sp_model_dir)
+    p = AdaptParams(
+        train=TrainParams(**{**TINY, "batch_size": 4}),
+        replay_fraction=0.5,
+        replay_top_k=4,
+        lora_layers=[1],
+        eval_docs=1,
+        eval_max_length=32,
+        gen_tokens=0,
+        train_docs=20,
+        domain_eval=["ar_msa"],
+        domain_docs=2,
+    )
+    m = adapt.run(ctx, p)
+    assert m["replay"]["sequences"] == 2 * 2 and m["replay"]["languages"] == {"ar": 2, "en": 2}
+    assert (ctx.checkpoint_dir / "replay.pt").is_file()
+    report = m["other_domains"]
+    assert set(report["bits_per_char"]) == {"extended", "base_same_budget", "base_model"}
+    assert set(report["change_vs_base_model"]) == {"extended", "base_same_budget"}
+    before, after = _state(sp_embedded_dir), _state(ctx.out_dir)
+    layer = "model.layers.{}.self_attn.q_proj.weight"
+    assert torch.equal(before[layer.format(0)], after[layer.format(0)])
+    assert not torch.equal(before[layer.format(1)], after[layer.format(1)])
+
+
+def test_replay_options_are_checked() -> None:
+    small = AdaptParams(train=TrainParams(batch_size=2), replay_fraction=0.1)
+    assert any("is no sequence" in q for q in small.validate())
+    assert any(
+        "no corpus sequence" in q for q in AdaptParams(train=TrainParams(batch_size=2), replay_fraction=0.9).validate()
+    )
+    assert any("lora_layers" in q for q in AdaptParams(mode="full", lora_layers=[0]).validate())

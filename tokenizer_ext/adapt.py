@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizer_ext import embed, quality
+from tokenizer_ext import chat_quality, embed, quality
 from warsha.precision import compute_dtype
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ def run(ctx: "StageContext", p: "AdaptParams") -> dict[str, Any]:
         if ctx.is_main:
             metrics["base_model"] = _base_scores(ctx, p, base_dir, tok_dir)
             metrics["targets"] = targets(metrics)
+            if "chat" in metrics["base_model"]:
+                metrics["chat_targets"] = chat_targets(metrics)
     if ctx.is_main:
         side_out = {**side, "adapted": p.mode}
         embed.carry_tokenizer(ctx.model_dir, ctx.out_dir, side_out)
@@ -115,6 +117,7 @@ def adapt_one(
     if p.gen_tokens:
         model = model.to(compute_dtype(None, "auto"))
         metrics["generation"] = quality.generation_speed(model, tok, quality.prompts(corpus), p.gen_tokens)
+    metrics.update(chat_scores(model, tok, corpus, p))
     return metrics
 
 
@@ -266,7 +269,24 @@ def _base_scores(ctx: "StageContext", p: "AdaptParams", base_dir: Path, tok_dir:
         out["generation"] = quality.generation_speed(
             model.to(compute_dtype(None, "auto")), tok, quality.prompts(corpus), p.gen_tokens
         )
+    out.update(chat_scores(model, tok, corpus, p))
     return out
+
+
+def chat_scores(model: Any, tok: Any, corpus: Any, p: "AdaptParams") -> dict[str, Any]:
+    """``{"chat": ...}`` for a model whose tokenizer has a chat template (``chat_quality``), else
+    nothing: a base model without one has no chat behaviour to keep."""
+    if not p.chat_tokens or not getattr(tok, "chat_template", None):
+        return {}
+    langs = (corpus.config.target_lang, corpus.config.source_lang)
+    return {"chat": chat_quality.evaluate(model, tok, langs, p.chat_tokens)}
+
+
+def chat_targets(m: dict[str, Any]) -> dict[str, Any]:
+    """The extended model's and the same-budget base's chat answers against the base model's."""
+    base = m["base_model"]["chat"]
+    names = [n for n in ("extended", "base_same_budget") if "chat" in m[n]]
+    return {name: chat_quality.compare(base, m[name]["chat"]) for name in names}
 
 
 def targets(m: dict[str, Any]) -> dict[str, Any]:

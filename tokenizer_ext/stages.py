@@ -87,6 +87,12 @@ class AdaptParams:
     eval_docs: int = field(default=64, metadata=check(ge(1)))
     eval_max_length: int = field(default=256, metadata=check(ge(8)))
     gen_tokens: int = field(default=64, metadata=check(ge(0), help="greedy tokens per prompt for chars/s (0 = skip)"))
+    chat_tokens: int = field(
+        default=64,
+        metadata=check(
+            ge(0), help="instruct base: greedy answer tokens per chat question (tokenizer_ext.chat_quality; 0 = skip)"
+        ),
+    )
 
     def validate(self) -> list[str]:
         """Options that only make sense in some modes."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from context_ext import longdata, report, scaling, suite
 from context_ext.passkey import PasskeyFormat, filler_stream
+from warsha import tokenizer_files
 from warsha.artifacts import fsync_tree, write_json_atomic
 
 if TYPE_CHECKING:
@@ -189,6 +190,7 @@ def save_output(ctx: "StageContext", model: Any, tokenizer: Any, cfg: dict[str, 
     model.generation_config.max_length = scaling.serving_length(cfg)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    tokenizer_files.carry_chat(ctx.model_dir, out, generation_config=False)  # keeps the new max_length
     written = json.loads((out / "config.json").read_text())
     for key in ("rope_parameters", "max_position_embeddings", scaling.RECORD_KEY):
         written[key] = cfg[key]

@@ -24,20 +24,12 @@ context as the target's global layers do.
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
+from warsha import tokenizer_files
 
 
 def first_vocab_difference(target_tok: Any, draft_tok: Any) -> tuple[int, str | None, str | None] | None:
@@ -225,16 +217,12 @@ def _clean(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def copy_tokenizer(target_dir: Path, out_dir: Path) -> list[str]:
-    """Copy the target's tokenizer files byte for byte (rebuilding could renumber pieces)."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        src = Path(target_dir) / name
-        if src.is_file():
-            shutil.copy2(src, Path(out_dir) / name)
-            copied.append(name)
-    if not copied:
-        raise ValueError(f"model: {target_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    return copied
+    """Copy the target's tokenizer files and chat setup byte for byte (rebuilding could
+    renumber pieces; the draft stops where the target does)."""
+    if not tokenizer_files.matching(target_dir, tokenizer_files.TOKENIZER_FILES):
+        names = ", ".join(tokenizer_files.TOKENIZER_FILES)
+        raise ValueError(f"model: {target_dir} holds no tokenizer files ({names})")
+    return tokenizer_files.copy_tokenizer(target_dir, out_dir)
 
 
 def save_draft(draft: Any, target_dir: Path, out_dir: Path) -> None:
@@ -246,9 +234,6 @@ def save_draft(draft: Any, target_dir: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out_dir)
     copy_tokenizer(target_dir, out_dir)
-    gen = Path(target_dir) / "generation_config.json"
-    if gen.is_file():
-        shutil.copy2(gen, out_dir / "generation_config.json")
     diff = first_vocab_difference(AutoTokenizer.from_pretrained(target_dir), AutoTokenizer.from_pretrained(out_dir))
     if diff is not None:
         raise RuntimeError(f"saved draft tokenizer differs from the target's at id {diff[0]}")

@@ -20,17 +20,8 @@ import torch
 
 from quantize.pack import pack_awq, pack_gptq
 from quantize.quantizer import QuantizedLinear
+from warsha import tokenizer_files
 
-TOKENIZER_FILES = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "generation_config.json",
-    "chat_template*",
-    "vocab.*",
-    "merges.txt",
-    "*.tiktoken",
-)
 SERVING_FILES = ("draft_vocab.json",)
 SHARD_BYTES = 4 * 1024**3
 
@@ -131,11 +122,10 @@ def export(
 
 
 def copy_side_files(src_dir: Path, out_dir: Path) -> list[str]:
-    """Copy the tokenizer and serving files of `src_dir` into `out_dir`; their names."""
-    copied = []
-    for pattern in TOKENIZER_FILES + SERVING_FILES:
-        for f in src_dir.glob(pattern):
-            if f.is_file():
-                shutil.copy2(f, out_dir / f.name)
-                copied.append(f.name)
+    """Copy the tokenizer, chat setup (``warsha.tokenizer_files``) and serving files of `src_dir`
+    into `out_dir`; their names."""
+    copied = tokenizer_files.copy_tokenizer(src_dir, out_dir)
+    for f in tokenizer_files.matching(src_dir, SERVING_FILES):
+        shutil.copy2(f, out_dir / f.name)
+        copied.append(f.name)
     return sorted(copied)

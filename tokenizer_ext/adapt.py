@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizer_ext import embed, quality
+from tokenizer_ext import chat_quality, embed, quality
 from warsha.precision import compute_dtype
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ def run(ctx: "StageContext", p: "AdaptParams") -> dict[str, Any]:
         if ctx.is_main:
             metrics["base_model"] = _base_scores(ctx, p, base_dir, tok_dir, sets)
             metrics["targets"] = targets(metrics)
+            if "chat" in metrics["base_model"]:
+                metrics["chat_targets"] = chat_targets(metrics)
     for name in ("extended", "base_same_budget", "base_model"):
         if name in metrics and DOMAIN_NLL in metrics[name]:
             domain_nll[name] = metrics[name].pop(DOMAIN_NLL)
@@ -212,6 +214,7 @@ def adapt_one(
     if p.gen_tokens:
         model = model.to(compute_dtype(None, "auto"))
         metrics["generation"] = quality.generation_speed(model, tok, quality.prompts(corpus), p.gen_tokens)
+    metrics.update(chat_scores(model, tok, corpus, p))
     return metrics
 
 
@@ -378,7 +381,24 @@ def _base_scores(
         out["generation"] = quality.generation_speed(
             model.to(compute_dtype(None, "auto")), tok, quality.prompts(corpus), p.gen_tokens
         )
+    out.update(chat_scores(model, tok, corpus, p))
     return out
+
+
+def chat_scores(model: Any, tok: Any, corpus: Any, p: "AdaptParams") -> dict[str, Any]:
+    """``{"chat": ...}`` for a model whose tokenizer has a chat template (``chat_quality``), else
+    nothing: a base model without one has no chat behaviour to keep."""
+    if not p.chat_tokens or not getattr(tok, "chat_template", None):
+        return {}
+    langs = (corpus.config.target_lang, corpus.config.source_lang)
+    return {"chat": chat_quality.evaluate(model, tok, langs, p.chat_tokens)}
+
+
+def chat_targets(m: dict[str, Any]) -> dict[str, Any]:
+    """The extended model's and the same-budget base's chat answers against the base model's."""
+    base = m["base_model"]["chat"]
+    names = [n for n in ("extended", "base_same_budget") if "chat" in m[n]]
+    return {name: chat_quality.compare(base, m[name]["chat"]) for name in names}
 
 
 def targets(m: dict[str, Any]) -> dict[str, Any]:

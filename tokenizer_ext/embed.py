@@ -19,7 +19,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizer_ext import byte_bpe, family, sp_bpe
+from tokenizer_ext import byte_bpe, sp_bpe
+from warsha import tokenizer_files
 
 if TYPE_CHECKING:
     import torch
@@ -145,11 +146,10 @@ def run(ctx: "StageContext", p: "EmbedParams") -> dict[str, Any]:
 
 
 def carry_tokenizer(src: Path, dst: Path, side: dict[str, Any]) -> None:
-    """Tokenizer files, the base tokenizer and the sidecar travel with every later artifact."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in family.TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+    """Tokenizer files and chat setup (``warsha.tokenizer_files``: the template and the stop ids
+    overwrite what ``save_pretrained`` wrote), the base tokenizer and the sidecar travel with
+    every later artifact."""
+    tokenizer_files.copy_tokenizer(src, dst)
     if (src / "base_tokenizer").is_dir():
         shutil.copytree(src / "base_tokenizer", dst / "base_tokenizer", dirs_exist_ok=True)
     (dst / SIDECAR).write_text(json.dumps(side, indent=2))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizer_ext import byte_bpe, checks, family, sp_bpe
+from warsha import tokenizer_files
 from warsha.data import has_script
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def run(ctx: "StageContext", p: "ExtendParams") -> dict[str, Any]:
     if ctx.is_main:
         family.copy_model_files(ctx.model_dir, ctx.out_dir)
         family.save_base_tokenizer(ctx.model_dir, ctx.out_dir / "base_tokenizer")
+        tokenizer_files.carry_chat(ctx.model_dir, ctx.out_dir)  # a rebuilt tokenizer_config lost an inline template
         side = {
             "family": base.family,
             "base_vocab_size": base.size,

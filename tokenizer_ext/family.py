@@ -14,15 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenizer_ext import byte_bpe, fallback_bpe, sp_bpe
+from warsha import tokenizer_files
 
-TOKENIZER_FILES = (
-    "tokenizer.model",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-)
-SKIP_FILES = (*TOKENIZER_FILES, "warsha.json", "tokenizer_ext.json")
+# Besides the tokenizer files (warsha.tokenizer_files), what a new tokenizer's artifact does not inherit.
+SKIP_FILES = ("warsha.json", "tokenizer_ext.json")
 # Characters whose presence marks a piece as target-language only. The bidi marks U+200E/F
 # are included because Arabic web and hadith text is full of them and English never is.
 SCRIPTS = {"ar": "[\u0600-\u06ff\u0750-\u077f\u08a0-\u08ff\ufb50-\ufdff\ufe70-\ufeff\u200e\u200f]"}
@@ -94,14 +89,15 @@ def script_pattern(script: str, lang: str) -> re.Pattern[str] | None:
 
 
 def copy_model_files(src: Path, dst: Path) -> None:
-    """Carry the model's weights and configs into ``dst`` without the old tokenizer.
+    """Carry the model's weights and configs into ``dst`` without the old tokenizer (its chat
+    template and generation config do travel: the extended model is still the same chat model).
 
     Hard links where the filesystem allows (artifacts are immutable, and an 8B checkpoint
     should not be copied just to ship a new tokenizer beside it), copies otherwise.
     """
     dst.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
-        if item.name in SKIP_FILES or item.is_dir():
+        if item.name in SKIP_FILES or tokenizer_files.is_tokenizer_file(item.name) or item.is_dir():
             continue
         target = dst / item.name
         try:
@@ -111,8 +107,6 @@ def copy_model_files(src: Path, dst: Path) -> None:
 
 
 def save_base_tokenizer(src: Path, dst: Path) -> None:
-    """Keep the base tokenizer beside the extended one: ``embed`` splits new pieces with it."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+    """Keep the base tokenizer beside the extended one: ``embed`` splits new pieces with it, and
+    ``adapt`` formats the base model's chat prompts with it (so its chat setup comes along)."""
+    tokenizer_files.copy_tokenizer(src, dst)

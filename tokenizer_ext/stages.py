@@ -117,6 +117,12 @@ class AdaptParams(DomainEval):
     lora_layers: list[int] | None = field(
         default=None, metadata=check(help="qlora: decoder layers that get LoRA (null = all; e.g. first and last two)")
     )
+    chat_tokens: int = field(
+        default=64,
+        metadata=check(
+            ge(0), help="instruct base: greedy answer tokens per chat question (tokenizer_ext.chat_quality; 0 = skip)"
+        ),
+    )
 
     def validate(self) -> list[str]:
         """Options that only make sense in some modes."""

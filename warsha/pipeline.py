@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from warsha import artifacts, distributed, runtime
+from warsha import artifacts, distributed, runtime, tokenizer_files
 from warsha.config import Recipe, recipe_dict, stage_config
 from warsha.registry import get_stage
 from warsha.stage import StageContext, StageDef
@@ -189,6 +189,8 @@ class Runner:
         if is_main:
             manifest = self._manifest(step, digests, metrics, wall, tracker.run_id)
             manifest["cpu_time"] = cpu
+            if (partial / "config.json").is_file():
+                manifest["chat"] = chat_record(step, partial)
             artifacts.finalize(partial, step.out_dir, manifest)
             # Only now: had finalize failed, the rerun would need these to resume.
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -251,6 +253,17 @@ class Runner:
             "world_size": distributed.world_size(),
             "runtime": runtime.describe(),
         }
+
+
+def chat_record(step: Planned, out_dir: Path) -> dict[str, Any]:
+    """The artifact's chat setup for its manifest (``warsha.tokenizer_files.chat_setup``), with a
+    warning when an input model had a chat template and this artifact lost it: an instruct model
+    without its template no longer answers ``/v1/chat/completions``."""
+    record = tokenizer_files.chat_setup(out_dir)
+    had = [r for r, p in step.inputs.items() if tokenizer_files.chat_template(p) is not None]
+    if had and not record["chat_template"]:
+        log.warning("%s: input %s has a chat template and this artifact has none", step.key, ", ".join(had))
+    return record
 
 
 def package_versions() -> dict[str, str]:

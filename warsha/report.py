@@ -79,6 +79,43 @@ def time_table(artifacts: list[tuple[Path, dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def chat_section(artifacts: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """An instruct run's chat setup per artifact (a stage that lost the template shows "none") and
+    the adaptation's chat answers (``tokenizer_ext.chat_quality``); nothing for a base-model run."""
+    setups = [(d, m["chat"]) for d, m in artifacts if "chat" in m]
+    if not any(c["chat_template"] for _, c in setups):
+        return []
+    lines = ["## Chat", "", "| artifact | chat template sha256 | stop ids |", "|---|---|---|"]
+    for d, c in setups:
+        sha = f"`{c['chat_template_sha256'][:12]}`" if c["chat_template"] else "**none**"
+        lines.append(f"| `{d.name}` | {sha} | {', '.join(map(str, c['stop_ids'])) or '-'} |")
+    for d, m in artifacts:
+        models = [(n, m["metrics"][n]["chat"]) for n in _CHAT_MODELS if "chat" in m.get("metrics", {}).get(n, {})]
+        if models:
+            lines += ["", f"Chat answers in `{d.name}` (greedy, held-out questions):", ""]
+            lines += chat_answers_table(models)
+    return lines + [""]
+
+
+_CHAT_MODELS = ("base_model", "base_same_budget", "extended")
+
+
+def chat_answers_table(models: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Per model and language: turns ended, mean answer tokens, share of letters in the script
+    asked, and the special tokens the answers emitted."""
+    lines = [
+        "| model | lang | turns ended | mean tokens | script share | special tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, chat in models:
+        for lang in (k for k in chat if k not in ("special_tokens", "answers")):
+            c = chat[lang]
+            share = "-" if c["script_share"] is None else f"{c['script_share']:.1%}"
+            specials = " ".join(f"`{t}`".replace("|", "\\|") for t in chat["special_tokens"]) or "-"
+            lines.append(f"| {name} | {lang} | {c['turn_ended']:.0%} | {c['mean_tokens']:.1f} | {share} | {specials} |")
+    return lines
+
+
 def run_plots(artifacts: list[tuple[Path, dict[str, Any]]], plots_dir: Path, run_dir: Path) -> list[str]:
     """Plots that compare several stages of the run (e.g. every quantization method)."""
     from warsha.report_plots import plot_quant_summary
@@ -113,6 +150,7 @@ def write_report(run_dir: Path) -> Path:
         *time_table(artifacts),
         "",
     ]
+    lines += chat_section(artifacts)
     lines += run_plots(artifacts, plots_dir, run_dir)
     for d, m in artifacts:
         lines += [

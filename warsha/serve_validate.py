@@ -171,9 +171,37 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
         )
     metrics["outputs_identical"] = identical
     metrics["outputs_match"] = real == 0
+    if (chat := chat_check(ctx, p)) is not None:
+        metrics["chat"] = chat
     if ctx.is_main:
         _write_summary(ctx, metrics)
     return metrics
+
+
+def chat_check(ctx: StageContext, p: ValidateParams) -> dict[str, Any] | None:
+    """What ``/v1/chat/completions`` does with this target: the prompt its chat template builds
+    for one held-out question, and the greedy answer up to ``max_tokens`` (stopping where the
+    model's stop ids say). None for a model without a template (the server refuses chat there)."""
+    from serve.api.chat_template import ChatTemplate
+    from serve.engine import LLM
+    from serve.sampler import SamplingParams
+
+    template = ChatTemplate(ctx.model_dir)
+    if not template.available:
+        return None
+    corpus = ctx.corpus()
+    question = " ".join(corpus.texts(corpus.config.target_lang, "validation")[0].split()[:12])
+    prompt = template.encode([{"role": "user", "content": question}])
+    common = {"dtype": p.dtype, "kv_cache_memory_gb": p.kv_cache_memory_gb, "int4_activations": p.int4_activations}
+    llm = LLM(ctx.model_dir, max_num_seqs=1, **common)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=p.max_tokens))[0]
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(out.token_ids),
+        "finish_reason": out.finish_reason,
+        "turn_ended": out.finish_reason == "stop",
+        "answer": out.text,
+    }
 
 
 def measure_batch(ctx: StageContext, p: ValidateParams, prompts: list[list[int]], bs: int) -> dict[str, Any]:
@@ -264,6 +292,9 @@ def _write_summary(ctx: StageContext, metrics: dict[str, Any]) -> None:
             lines.append(_summary_row(key[5:], m["speculative"], m["plain"], m))
             if "draft_alone" in m:
                 lines.append(_summary_row(f"{key[5:]}, draft alone", m["draft_alone"], m["plain"], m["draft_alone"]))
+    if chat := metrics.get("chat"):
+        lines += ["", f"Chat: a {chat['prompt_tokens']}-token templated prompt answered in {chat['completion_tokens']}"]
+        lines[-1] += f" tokens, finish reason {chat['finish_reason']}."
     (ctx.out_dir / "serve_validate.md").write_text("\n".join(lines) + "\n")
 
 

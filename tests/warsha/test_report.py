@@ -88,3 +88,25 @@ def test_adaptation_latency_and_quantization_summary_plots(tmp_path: Path) -> No
     }
     rows = quant_rows([("gptq", on_yarn), ("awq", awq), ("draft_q4", draft_q4)])
     assert list(rows) == ["unquantized", "rtn", "gptq", "awq"]  # the draft's own quantization stays off this axis
+
+
+def test_chat_section_shows_every_artifact_and_the_answers() -> None:
+    from warsha.report import chat_section
+
+    setup = {"chat_template": True, "chat_template_sha256": "ab" * 32, "stop_ids": [2, 7]}
+    lost = {"chat_template": False, "chat_template_sha256": None, "stop_ids": [2]}
+    chat = {
+        "ar": {"turn_ended": 0.75, "mean_tokens": 12.5, "script_share": 0.9},
+        "en": {"turn_ended": 1.0, "mean_tokens": 8.0, "script_share": None},
+        "special_tokens": ["<|im_end|>"],
+        "answers": {"ar": [], "en": []},
+    }
+    adapt = {"stage": "tokenizer_ext.adapt", "chat": setup, "metrics": {"base_model": {"chat": chat}, "extended": {}}}
+    arts = [(Path("run/import"), {"stage": "import", "chat": setup}), (Path("run/adapt"), adapt)]
+    lines = chat_section([*arts, (Path("run/gptq"), {"stage": "quantize.gptq", "chat": lost})])
+    assert "| `import` | `abababababab` | 2, 7 |" in lines
+    assert "| `gptq` | **none** | 2 |" in lines
+    assert "| base_model | ar | 75% | 12.5 | 90.0% | `<\\|im_end\\|>` |" in lines  # | escaped in a cell
+    assert "| base_model | en | 100% | 8.0 | - | `<\\|im_end\\|>` |" in lines
+    assert not any(line.startswith("| extended") for line in lines)  # no chat measured for it
+    assert chat_section([(Path("run/bootstrap"), {"stage": "bootstrap", "chat": lost})]) == []

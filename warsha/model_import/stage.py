@@ -71,7 +71,7 @@ def import_cli(source: str, out: Path, sha256: str | None, dtype: str) -> dict[s
     with a manifest, like a stage's artifact."""
     from datetime import UTC, datetime
 
-    from warsha import artifacts
+    from warsha import artifacts, tokenizer_files
     from warsha.schema import from_dict
 
     as_path = Path(source).exists() or "/" in source or source.endswith(".gguf")
@@ -94,6 +94,7 @@ def import_cli(source: str, out: Path, sha256: str | None, dtype: str) -> dict[s
         "config_hash": artifacts.config_hash(config),
         "inputs": [],
         "metrics": metrics,
+        "chat": tokenizer_files.chat_setup(partial),  # as the runner records it for a stage
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     return artifacts.finalize(partial, out, manifest)

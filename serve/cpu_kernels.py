@@ -117,6 +117,11 @@ def isa() -> str:
     return lib.current_isa() if lib is not None else "none"
 
 
+def has_bf16_dot() -> bool:
+    """True when the running variant multiplies bf16 by bf16 natively (avx512_bf16: vdpbf16ps)."""
+    return isa() == "avx512_bf16"
+
+
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
     """Run the kernels' `name` variant inside the block (tests and benchmarks compare variants)."""

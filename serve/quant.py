@@ -225,8 +225,8 @@ class DenseLinear:
     larger batches use a float32 copy of the weight (oneDNN-prepacked up to PACKED_MAX_ROWS
     rows, MKL above), computed the same way. The copy costs 2x the bf16 weight's memory and makes
     prefill 2-9x faster there. On a CPU with native bf16 the weight stays oneDNN-prepacked, but up
-    to NATIVE_BF16_KERNEL_MAX_ROWS rows go through serve's kernel too (its avx512_bf16 variant
-    multiplies bf16 by bf16 with vdpbf16ps; same float32 accumulation and single rounding).
+    to NATIVE_BF16_KERNEL_MAX_ROWS rows go through serve's kernel when it runs its avx512_bf16
+    variant (bf16 x bf16 with vdpbf16ps; same float32 accumulation and single rounding).
     A float32 weight runs serve's AVX2 kernel for up to
     F32_KERNEL_MAX_ROWS rows (oneDNN's fixed per-call cost exceeds a small layer's whole product
     there) and is oneDNN-prepacked up to PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend
@@ -253,6 +253,7 @@ class DenseLinear:
         self.weight32 = self.weight.float() if upcast else None
         use = cpu_kernels.available() if use_kernels is None else use_kernels
         native = use and not upcast and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        native = native and cpu_kernels.has_bf16_dot()  # the widening AVX2 kernel lost to oneDNN here
         self.bias32 = bias.float() if (upcast or native) and bias is not None else None
         self.packed32 = _mkldnn_pack(self.weight32, allow_float32=True, batch_hint=5) if upcast else None
         self.upcast_min_rows = UPCAST_MIN_ROWS

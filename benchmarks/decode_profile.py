@@ -9,6 +9,8 @@ sum), so each part shows how far it is from memory speed.
 
     PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --threads 2
     PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --int4   # GPTQ RTN g128, int8 act
+    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --model runs/arabic-gemma3-270m/import \
+        --int4-model runs/arabic-gemma3-270m/q4      # a real checkpoint (and its GPTQ int4 one) instead
 
 Prints a table; writes benchmarks/results/decode_profile-<time>.json.
 """
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="large", help="serve_bench preset")
     p.add_argument("--int4", action="store_true", help="also profile the GPTQ RTN g128 int4 checkpoint (int8 act)")
+    p.add_argument("--model", type=Path, help="profile this HF checkpoint (served in bf16) instead of a preset")
+    p.add_argument("--int4-model", type=Path, help="with --model: also this GPTQ int4 checkpoint (int8 act)")
+    p.add_argument("--head-quant", default="none", help="LM head format: none or int8")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -162,14 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     bw = rl.read_bandwidth(args.threads)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s at {args.threads} threads")
-    d = sb.build_random_model(args.workdir / args.preset, args.preset)
-    results: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": args.threads, "preset": args.preset, "runs": {}}
-    results["runs"]["bf16"] = profile(d, args, bw)
-    print_profile(f"{args.preset} bf16", results["runs"]["bf16"])
-    if args.int4:
+    name = str(args.model) if args.model else args.preset
+    d = args.model or sb.build_random_model(args.workdir / args.preset, args.preset)
+    results: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": args.threads, "preset": name, "runs": {}}
+    results["isa"] = sm.cpu_kernels.isa()
+    print(f"serve CPU kernels: {results['isa']} variant")
+    results["runs"]["bf16"] = profile(d, args, bw, head_quant=args.head_quant)
+    print_profile(f"{name} bf16", results["runs"]["bf16"])
+    q = args.int4_model if args.model else None
+    if args.int4 and not args.model:
         q = sb.quantize_rtn_gptq(d, d.parent / (d.name + "-gptq"))
-        results["runs"]["int4"] = profile(q, args, bw, int4_activations="int8")
-        print_profile(f"{args.preset} int4 (int8 act)", results["runs"]["int4"])
+    if q is not None:
+        results["runs"]["int4"] = profile(q, args, bw, int4_activations="int8", head_quant=args.head_quant)
+        print_profile(f"{q} int4 (int8 act)", results["runs"]["int4"])
     sb.write_results("decode_profile", results)
     return 0
 

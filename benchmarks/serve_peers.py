@@ -10,7 +10,9 @@ peer venvs first (cached; a rerun is free):
     PYTHONPATH=. .venv/bin/python benchmarks/serve_peers.py --threads 2
 
 Workloads, per model (default: the random TinyLlama-1.1B-shaped "large" preset and the hidden-1024
-"medium" preset of serve_bench.py, plus the demo's YaRN model when its directory exists):
+"medium" preset of serve_bench.py, plus the demo's YaRN model when its directory exists, plus a
+real checkpoint given with `--model` and its GPTQ int4 version with `--model-int4`, e.g. the
+recipe's imported Gemma 3 270M, runs/arabic-gemma3-270m/import):
   - batch-1 greedy decode of `--new-tokens` after a `--prompt-len` prompt. 16-bit: Warsha bf16,
     vLLM bf16 and float32, llama.cpp F16. 4-bit: Warsha on a GPTQ round-to-nearest g128 int4
     checkpoint with int8 activations (serve_bench's stand-in for a GPTQ run), vLLM on the same
@@ -277,6 +279,7 @@ def _f(x: Any, spec: str = ".3g") -> str:
 def print_report(results: dict[str, Any]) -> None:
     print(
         f"\nread bandwidth {results['bandwidth_gb_s']:.1f} GB/s at {results['threads']} threads; load {results['load']}"
+        f"; serve's kernels: {results.get('isa', '?')}"
     )
     for model, res in results["models"].items():
         rounds = results.get("rounds", 1)
@@ -337,6 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--yarn-dir", type=Path, default=Path("runs/arabic-tiny/yarn"), help="the demo's YaRN model, if built"
     )
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="a real HF checkpoint too, e.g. runs/arabic-gemma3-270m/import (the recipe's imported Gemma 3 "
+        "270M) or runs/arabic-gemma3-270m/yarn; `--presets ''` runs it alone",
+    )
+    p.add_argument("--model-int4", type=Path, help="with --model: a GPTQ int4 checkpoint of it (the 4-bit rows)")
+    p.add_argument("--model-mixed", action="store_true", help="with --model: also the 64-request mixed workload")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -369,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         models[preset] = (d, int4, preset in mixed_presets)
     if (args.yarn_dir / "config.json").is_file():
         models["yarn"] = (args.yarn_dir, None, True)
+    for d in (args.model, args.model_int4):
+        if d is not None and not (d / "config.json").is_file():
+            p.error(f"{d}: no config.json; pass an HF checkpoint directory (a recipe stage's output)")
+    if args.model is not None:
+        models[args.model.parent.name + "/" + args.model.name] = (args.model, args.model_int4, args.model_mixed)
     torch.set_num_threads(args.threads)
     bw = rl.read_bandwidth(args.threads)
     results: dict[str, Any] = {
@@ -377,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth_gb_s": bw / 1e9,
         "load": os.getloadavg(),
         "torch": torch.__version__,
+        "isa": sb.cpu_kernels.isa(),  # serve's kernel variant (WARSHA_CPU_ISA forces one)
         "yarn_model": str(args.yarn_dir) if "yarn" in models else f"absent ({args.yarn_dir})",
         "models": {},
     }

@@ -1,4 +1,4 @@
-"""Serve's own AVX2 kernels (`csrc/`): build, load, the int4 layout and short-chunk paged attention.
+"""Serve's own CPU kernels (`csrc/`): build, load, ISA choice, the int4 layout and paged attention.
 
 Why: a decode step reads every weight once for a handful of activation rows. On an AVX2-only
 CPU torch's bf16 matrix-vector product and its int4 kernel are bound by their own arithmetic,
@@ -10,15 +10,26 @@ attends short query chunks (the same steps) straight from the paged cache; `csrc
 rotates the new queries and keys and writes K/V into the cache in one call per layer. Without a compiler, on a
 CPU without AVX2+FMA, or with WARSHA_SERVE_CPU_KERNELS=0, the engine keeps torch's kernels and
 says so once in the log.
+
+ISA: the matrix products exist in four variants in the one build (`csrc/gemv.cpp`): avx2,
+avx512 (512-bit vectors), avx512_vnni (the int4 x int8 path's multiplier product fused into
+vpdpwssd) and avx512_bf16 (bf16 weights times bf16 activations with vdpbf16ps). `load` picks the
+most capable one the CPU's flags allow (`/proc/cpuinfo`), or the one `WARSHA_CPU_ISA` names
+(e.g. `WARSHA_CPU_ISA=avx2` to compare against the AVX2 kernels on an AVX-512 host); `isa()`
+reports it for `/metrics` and the manifest's `runtime.isa`. Attention, RoPE and RMSNorm have one
+(AVX2) variant.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,8 +39,8 @@ import torch
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gemv_avx2.cpp", "attention_avx2.cpp", "rope_kv.cpp", "bindings.cpp"))
-HEADERS = (CSRC / "bf16.h",)
+SOURCES = tuple(CSRC / name for name in ("gemv.cpp", "attention_avx2.cpp", "rope_kv.cpp", "bindings.cpp"))
+HEADERS = (CSRC / "bf16.h", CSRC / "gemv_impl.h")
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
@@ -40,6 +51,16 @@ ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_SECONDS = 600.0
+ISA_ENV = "WARSHA_CPU_ISA"
+# Each variant and the /proc/cpuinfo flags it needs, least capable first (a CPU with avx512_bf16
+# has VNNI too: Cooper Lake, Sapphire Rapids, Zen 4).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512_vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    "avx512_bf16": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
+}
+ISAS = tuple(ISA_FLAGS)
 
 
 def _cpu_has_avx2() -> bool:
@@ -49,16 +70,98 @@ def _cpu_has_avx2() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo; from torch's dispatch level where it is absent."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith(("AVX512", "AMX")):
+        return frozenset(ISA_FLAGS["avx512"])
+    return frozenset(ISA_FLAGS["avx2"]) if capability == "AVX2" else frozenset()
+
+
+def supported_isas(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The kernel variants this CPU can run, least capable first (empty without AVX2+FMA)."""
+    have = cpu_flags() if flags is None else flags
+    return tuple(name for name, needs in ISA_FLAGS.items() if set(needs) <= have)
+
+
+def select_isa(flags: frozenset[str] | None = None, env: str | None = None) -> str | None:
+    """`WARSHA_CPU_ISA` when set (it must be a variant this CPU runs), else the most capable one.
+
+    None where the CPU runs none (no AVX2). A bad value is a ValueError naming the variable,
+    the CPU's variants and the fix, raised before anything is built.
+    """
+    supported = supported_isas(flags)
+    wanted = (os.environ.get(ISA_ENV, "") if env is None else env).strip().lower()
+    if not wanted:
+        return supported[-1] if supported else None
+    if wanted not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={wanted!r}: must be one of {', '.join(ISAS)}; unset it to pick the CPU's best")
+    if wanted not in supported:
+        missing = sorted(set(ISA_FLAGS[wanted]) - (cpu_flags() if flags is None else flags))
+        raise ValueError(
+            f"{ISA_ENV}={wanted}: this CPU lacks {', '.join(missing)}; it runs {', '.join(supported) or 'none'}"
+        )
+    return wanted
+
+
+def isa() -> str:
+    """The variant serve's matrix products run ("none" where the kernels are unavailable)."""
+    lib = load()
+    return lib.current_isa() if lib is not None else "none"
+
+
+def has_bf16_dot() -> bool:
+    """True when the running variant multiplies bf16 by bf16 natively (avx512_bf16: vdpbf16ps)."""
+    return isa() == "avx512_bf16"
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the kernels' `name` variant inside the block (tests and benchmarks compare variants)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("serve's CPU kernels are not available here")
+    before = lib.current_isa()
+    lib.set_isa(name)
+    try:
+        yield
+    finally:
+        lib.set_isa(before)
+
+
+@functools.lru_cache(maxsize=1)
 def load() -> ModuleType | None:
     """The compiled extension, or None (and one log line naming why) where it cannot run."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         log.info("%s=0: using torch's CPU kernels for small batches", ENV_SWITCH)
         return None
-    if not _cpu_has_avx2():
+    chosen = select_isa()
+    if chosen is None or not _cpu_has_avx2():
         log.warning(
             "CPU lacks AVX2/FMA (torch reports %s): using torch's CPU kernels", torch.backends.cpu.get_cpu_capability()
         )
         return None
+    lib = _build()
+    if lib is not None:
+        lib.set_isa(chosen)
+        how = (
+            f"{ISA_ENV}={chosen}"
+            if os.environ.get(ISA_ENV, "").strip()
+            else f"this CPU's best of {', '.join(supported_isas())}"
+        )
+        log.info("serve's CPU kernels: %s variant (%s)", chosen, how)
+    return lib
+
+
+def _build() -> ModuleType | None:
+    """Build (or find) the extension; None, after one log line naming why, where it fails."""
     try:
         from torch.utils import cpp_extension
 
@@ -67,30 +170,117 @@ def load() -> ModuleType | None:
         text = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
         digest = hashlib.sha256(text + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
         name = f"warsha_serve_gemv_avx2_{digest}"
-        clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-        return cpp_extension.load(
-            name=name,
-            sources=[str(src) for src in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            verbose=False,
-        )
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with build_lock(build_dir):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(src) for src in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                verbose=False,
+            )
     except Exception as err:  # noqa: BLE001 - any build failure means: fall back, loudly
         log.warning(
-            "could not build serve's AVX2 kernels (%s: %s); using torch's CPU kernels, which are slower here",
+            "could not build serve's CPU kernels (%s: %s); using torch's CPU kernels, which are slower here",
             type(err).__name__,
             str(err).splitlines()[0] if str(err) else "",
         )
         return None
 
 
-def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
-    """Remove a build lock older than `max_age` seconds; True if one was removed.
+OWNER_FILE = "warsha.owner"  # beside torch's `lock`: "<host> <pid>" of the process building there
 
-    Why: torch's extension loader takes a lock file for the build and waits for it forever; a
-    build killed midway (Ctrl-C, a CI timeout, the OOM killer) leaves the lock behind, and every
-    later process would hang at its first decode step. A real build of this one file takes far
-    less than `max_age`, even on a loaded machine.
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> Iterator[None]:
+    """Hold the right to build in `build_dir` for the block; waits, loudly, for a live builder.
+
+    Why: torch's extension loader takes a lock file (`lock`) for the build and waits for it
+    without a word; a build killed midway (Ctrl-C during the first `warsha serve`, a CI timeout,
+    the OOM killer) left it behind and the next start hung silently for up to `max_age`. Here
+    the builder first records itself in `warsha.owner` (host and pid, created exclusively). A
+    later process that finds the owner gone (same host, no such pid) takes over at once,
+    removing both files; one whose owner is alive says once whom it waits for and why. A
+    `lock` without an owner record (a builder that did not record itself) is waited for, with
+    the same one message, until it goes or grows older than `max_age`.
+    """
+    owner, lock = build_dir / OWNER_FILE, build_dir / "lock"
+    announced = False
+    while not _claim(owner):
+        holder, alive = _owner_of(owner, max_age)
+        if not alive:
+            log.warning("taking over serve's kernel build in %s: its owner (%s) is gone", build_dir, holder)
+            owner.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+            continue
+        if not announced:
+            log.warning(
+                "waiting for %s, which is building serve's CPU kernels in %s (lock %s): a first build "
+                "takes a minute or more; a lock whose owner dies is taken over at once",
+                holder,
+                build_dir,
+                owner,
+            )
+            announced = True
+        time.sleep(poll)
+    try:
+        while lock.exists() and not clear_stale_lock(build_dir, max_age):
+            if not announced:
+                log.warning(
+                    "waiting for a build lock %s with no owner recorded (another build, or one that was killed): "
+                    "taken over when it is %.0f s old",
+                    lock,
+                    max_age,
+                )
+                announced = True
+            time.sleep(poll)
+        yield
+    finally:
+        owner.unlink(missing_ok=True)
+
+
+def _claim(owner: Path) -> bool:
+    """Create `owner` with this host and pid, only if no one holds it; True on success."""
+    try:
+        fd = os.open(owner, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{socket.gethostname()} {os.getpid()}\n")
+    return True
+
+
+def _owner_of(owner: Path, max_age: float) -> tuple[str, bool]:
+    """(who holds `owner`, whether it may still be building).
+
+    Gone: a pid of this host that no longer exists, a record older than `max_age` that cannot
+    be checked (another host), or an empty record older than a few seconds (its writer died
+    between creating and writing it). A record that vanished meanwhile counts as gone: retry.
+    """
+    try:
+        text, age = owner.read_text().split(), time.time() - owner.stat().st_mtime
+    except FileNotFoundError:
+        return "a finished build", False
+    if len(text) != 2 or not text[1].isdigit():
+        return "an unfinished record", age < 5.0
+    host, pid = text[0], int(text[1])
+    who = f"pid {pid} on {host}"
+    if host != socket.gethostname():
+        return who, age <= max_age
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return who, False
+    except PermissionError:  # another user's live process
+        return who, True
+    return who, True
+
+
+def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove torch's build lock when older than `max_age` seconds; True if one was removed.
+
+    For a lock with no owner recorded (see `build_lock`): a real build takes far less than
+    `max_age`, even on a loaded machine.
     """
     lock = build_dir / "lock"
     try:
@@ -218,7 +408,10 @@ class Int4Packed:
 def main() -> int:
     """`python -m serve.cpu_kernels`: build (or find) the kernels and say which path serve uses."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    print("serve CPU kernels:", "built, in use" if available() else "not available; torch's kernels are used")
+    if available():
+        print(f"serve CPU kernels: built, in use; ISA variant {isa()} (this CPU runs {', '.join(supported_isas())})")
+    else:
+        print("serve CPU kernels: not available; torch's kernels are used")
     return 0
 
 

@@ -171,6 +171,11 @@ class LLM:
             return "int8"
         return "none"
 
+    @property
+    def cpu_isa(self) -> str:
+        """The ISA variant of serve's CPU kernels this engine runs ("none" off the CPU or without them)."""
+        return cpu_kernels.isa() if self._device == "cpu" else "none"
+
     def _resolve_max_len(self, requested: int | None) -> int:
         """The served context length: the model's, or a smaller one the user asked for."""
         limit = self.config.max_model_len

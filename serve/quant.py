@@ -28,6 +28,10 @@ from serve.cpu import UPCAST_MIN_ROWS, upcast_bf16_default
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 PACKED_MAX_ROWS = 128  # float32 oneDNN-packed path of DenseLinear (measured: MKL is as fast above)
 F32_KERNEL_MAX_ROWS = 6  # float32 weights: serve's AVX2 kernel up to here (oneDNN wins from 8 rows)
+# bf16 weights on a native-bf16 CPU: serve's kernel up to here, oneDNN's prepacked (AMX) GEMM above.
+# Measured (Sapphire Rapids, one thread's CPU time, Gemma 3 270M's shapes): the kernel took
+# 0.5-0.9x oneDNN's time at 1-4 rows (0.6x on the 262k-row head), 1.2-4x at 8-16 rows.
+NATIVE_BF16_KERNEL_MAX_ROWS = 4
 
 
 def unpack_qweight(qweight: torch.Tensor) -> torch.Tensor:
@@ -220,7 +224,10 @@ class DenseLinear:
     on the bf16 weight itself (widened in registers, float32 accumulation, one bf16 rounding);
     larger batches use a float32 copy of the weight (oneDNN-prepacked up to PACKED_MAX_ROWS
     rows, MKL above), computed the same way. The copy costs 2x the bf16 weight's memory and makes
-    prefill 2-9x faster there. A float32 weight runs serve's AVX2 kernel for up to
+    prefill 2-9x faster there. On a CPU with native bf16 the weight stays oneDNN-prepacked, but up
+    to NATIVE_BF16_KERNEL_MAX_ROWS rows go through serve's kernel when it runs its avx512_bf16
+    variant (bf16 x bf16 with vdpbf16ps; same float32 accumulation and single rounding).
+    A float32 weight runs serve's AVX2 kernel for up to
     F32_KERNEL_MAX_ROWS rows (oneDNN's fixed per-call cost exceeds a small layer's whole product
     there) and is oneDNN-prepacked up to PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend
     does. `upcast=None` decides by the
@@ -244,22 +251,25 @@ class DenseLinear:
             upcast = upcast_bf16_default(weight.dtype, weight.device)
         upcast = upcast and weight.dtype == torch.bfloat16
         self.weight32 = self.weight.float() if upcast else None
-        self.bias32 = bias.float() if upcast and bias is not None else None
+        use = cpu_kernels.available() if use_kernels is None else use_kernels
+        native = use and not upcast and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+        native = native and cpu_kernels.has_bf16_dot()  # the widening AVX2 kernel lost to oneDNN here
+        self.bias32 = bias.float() if (upcast or native) and bias is not None else None
         self.packed32 = _mkldnn_pack(self.weight32, allow_float32=True, batch_hint=5) if upcast else None
         self.upcast_min_rows = UPCAST_MIN_ROWS
-        use = cpu_kernels.available() if use_kernels is None else use_kernels
         self.kernel_max_rows = cpu_kernels.MAX_ROWS if upcast and use else 0
+        if native:
+            self.kernel_max_rows = NATIVE_BF16_KERNEL_MAX_ROWS
         on_cpu = weight.device.type == "cpu"
         self.f32_kernel_max_rows = F32_KERNEL_MAX_ROWS if is_f32 and on_cpu and use else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear in the weight's dtype (float32 compute or the prepacked weight where they apply)."""
         rows = x.numel() // self.in_features
-        if self.weight32 is not None and x.dtype == torch.bfloat16:
-            if rows <= self.kernel_max_rows:
-                return self._kernel(x, rows)
-            if rows >= self.upcast_min_rows:
-                return self._upcast(x, rows)
+        if x.dtype == torch.bfloat16 and rows <= self.kernel_max_rows:
+            return self._kernel(x, rows)
+        if self.weight32 is not None and x.dtype == torch.bfloat16 and rows >= self.upcast_min_rows:
+            return self._upcast(x, rows)
         if x.dtype == torch.float32 and 0 < rows <= self.f32_kernel_max_rows:
             return self._kernel_f32(x, rows)
         if self.packed_f32 is not None and x.dtype == torch.float32 and 0 < rows <= PACKED_MAX_ROWS:
@@ -271,7 +281,7 @@ class DenseLinear:
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
     def _kernel(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """serve's AVX2 kernel; the bias joins in float32 before the single bf16 rounding."""
+        """serve's kernel on the bf16 weight; the bias joins in float32 before the single bf16 rounding."""
         x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
         if self.bias32 is None:
             y = cpu_kernels.gemv_bf16(x2, self.weight, torch.bfloat16)

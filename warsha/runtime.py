@@ -107,11 +107,24 @@ def _set_torch_threads(count: int) -> None:
 def describe() -> dict[str, Any]:
     """The active policy for a manifest's ``runtime`` (empty if :func:`apply` never ran)."""
     out = dict(_active)
+    if out:
+        out["isa"] = _cpu_isa()
     if out.get("allocator") == "glibc-tuned":
         out["malloc"] = dict(TUNED)
     elif out.get("allocator") == "tcmalloc":
         out["library"] = base.tcmalloc_loaded()
     return out
+
+
+def _cpu_isa() -> str:
+    """The ISA variant serve's CPU kernels choose here (by the CPU's flags and ``WARSHA_CPU_ISA``),
+    without building them; "none" without AVX2, "invalid WARSHA_CPU_ISA" for a value they refuse."""
+    from serve import cpu_kernels
+
+    try:
+        return cpu_kernels.select_isa() or "none"
+    except ValueError:
+        return f"invalid {cpu_kernels.ISA_ENV}"
 
 
 def cpu_seconds() -> tuple[float, float]:

@@ -86,8 +86,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counters = _Counters()
+        self.cpu_isa = llm.cpu_isa
         self.snapshot = MetricsSnapshot(
-            model_name, num_kv_blocks=llm.block_manager.num_blocks, num_free_kv_blocks=llm.block_manager.num_free_blocks
+            model_name,
+            num_kv_blocks=llm.block_manager.num_blocks,
+            num_free_kv_blocks=llm.block_manager.num_free_blocks,
+            cpu_isa=self.cpu_isa,
         )
 
     # ----------------------------------------------------------------- lifecycle
@@ -291,6 +295,7 @@ class AsyncEngine:
             setattr(c, f"seen_{name}", len(values))
         self.snapshot = MetricsSnapshot(
             model_name=self.model_name,
+            cpu_isa=self.cpu_isa,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             kv_usage=bm.usage,

@@ -48,6 +48,7 @@ class MetricsSnapshot:
     """Everything /metrics reports, taken by the engine thread at one instant."""
 
     model_name: str
+    cpu_isa: str = "none"  # the ISA variant of serve's CPU kernels (serve.cpu_kernels.isa)
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -158,6 +159,11 @@ def render(s: MetricsSnapshot) -> str:
         s.rejected,
         m,
     )
+    lines += [
+        f"# HELP {PREFIX}_cpu_isa_info The ISA variant serve's CPU kernels run (none: off the CPU or without them).",
+        f"# TYPE {PREFIX}_cpu_isa_info gauge",
+        f"{PREFIX}_cpu_isa_info{_labels(model_name=m, isa=s.cpu_isa)} 1",
+    ]
     _histogram(lines, "time_to_first_token_seconds", "Time from arrival to the first generated token.", s.ttft, m)
     _histogram(lines, "time_per_output_token_seconds", "Mean time between output tokens, per request.", s.tpot, m)
     _histogram(lines, "e2e_request_latency_seconds", "Time from arrival to the last token.", s.e2e, m)

@@ -12,6 +12,8 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, at::ScalarType out_dtype);
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, double eps);
 int64_t parallel_threads();
+void set_isa(const std::string& name);
+std::string current_isa();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, const torch::Tensor& q_starts,
                               const torch::Tensor& q_lens, int64_t block_size, double scale, int64_t window);
@@ -20,13 +22,15 @@ std::vector<torch::Tensor> rope_write_kv(const torch::Tensor& qk, const torch::T
                                          torch::Tensor v_cache, int64_t num_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation (AVX2)");
-  m.def("gemv_f32", &gemv_f32, "y = x @ w.T for a float32 weight read in place (AVX2)");
-  m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations (AVX2)");
-  m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features (AVX2)");
-  m.def("gemv_int8", &gemv_int8, "y = (x @ q.T) * scale for an int8 weight with one scale per output row (AVX2)");
+  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation ");
+  m.def("gemv_f32", &gemv_f32, "y = x @ w.T for a float32 weight read in place ");
+  m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations ");
+  m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features ");
+  m.def("gemv_int8", &gemv_int8, "y = (x @ q.T) * scale for an int8 weight with one scale per output row ");
   m.def("rms_norm_bf16", &rms_norm_bf16, "transformers' RMSNorm on bf16 rows in one call");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on new queries/keys and their K/V written into the paged cache, in one call");
+  m.def("set_isa", &set_isa, "run the named ISA variant of the matrix products (avx2, avx512, avx512_vnni, avx512_bf16)");
+  m.def("current_isa", &current_isa, "the ISA variant the matrix products run");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
-  m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache (AVX2)");
+  m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache ");
 }

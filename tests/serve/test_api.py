@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from serve import LLM, SamplingParams
+from serve import LLM, SamplingParams, cpu_kernels
 from tests.serve.conftest import make_model
 
 CHAT_TEMPLATE = (
@@ -290,6 +290,7 @@ def test_models_health_and_metrics(srv: RunningServer) -> None:
         == before["warsha_request_success_total{finished_reason=length}"] + 1
     )
     assert m["warsha_generation_tokens_total"] - before["warsha_generation_tokens_total"] == 5
+    assert m[f"warsha_cpu_isa_info{{isa={cpu_kernels.isa()}}}"] == 1  # the variant the kernels run
     for hist in ("warsha_time_to_first_token_seconds", "warsha_time_per_output_token_seconds"):
         buckets = sorted(
             ((float(k.split("le=")[1].rstrip("}")), v) for k, v in m.items() if k.startswith(f"{hist}_bucket"))

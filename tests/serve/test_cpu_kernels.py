@@ -1,4 +1,4 @@
-"""serve's AVX2 small-batch kernels against independent references.
+"""serve's small-batch CPU kernels against independent references, in every ISA variant.
 
 References: float64 matmuls on the same bf16 values (bf16 kernel); a brute-force nibble packer
 and float64 dequantization (int4 layout and float kernel); the int8-activation kernel against a
@@ -6,10 +6,20 @@ float64 evaluation of its documented arithmetic (activations rounded per 32 feat
 round(x / s_b) * s_b with s_b an integer multiple of one row scale, zero-point term on the exact
 sums), written with loops and torch ops here, not with the kernel's code. Rows run past the
 8-row chunk, K past the 32-wide blocks, and results must not depend on the thread count.
+
+Each kernel test runs once per ISA variant (`isa` fixture): avx2 everywhere, the AVX-512 ones
+wherever the CPU reports their flags (skipped, naming the missing flags, only where it does not).
+The avx512_bf16 variant multiplies bf16 activations with vdpbf16ps: its products are exact and its
+float32 adds round as FMAs do, so the same float32-accumulation bound applies to it.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,9 +32,58 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _isa_param(name: str) -> object:
+    missing = sorted(set(cpu_kernels.ISA_FLAGS[name]) - cpu_kernels.cpu_flags())
+    reason = f"this CPU lacks {', '.join(missing)}"
+    return pytest.param(name, id=name, marks=pytest.mark.skipif(bool(missing), reason=reason))
+
+
+@pytest.fixture(params=[_isa_param(name) for name in cpu_kernels.ISAS])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each ISA variant of the matrix products in turn (the loaded one is restored after)."""
+    with cpu_kernels.use_isa(request.param):
+        yield request.param
+
+
 def test_kernels_build_here() -> None:
     """CI machines have g++ and AVX2: the kernels must build, not silently fall back."""
     assert cpu_kernels.available()
+
+
+def test_the_cpus_best_variant_is_chosen_unless_the_environment_names_one() -> None:
+    assert cpu_kernels.isa() == cpu_kernels.select_isa()  # loaded under this environment
+    if not os.environ.get(cpu_kernels.ISA_ENV):
+        assert cpu_kernels.isa() == cpu_kernels.supported_isas()[-1]
+        if {"avx512f", "avx512_bf16", "avx512_vnni"} <= cpu_kernels.cpu_flags():  # e.g. Sapphire Rapids, Zen 4
+            assert cpu_kernels.isa() == "avx512_bf16"
+    env = {**os.environ, cpu_kernels.ISA_ENV: "avx2"}
+    code = "from serve import cpu_kernels; print(cpu_kernels.isa())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "avx2"
+
+
+def test_isa_selection_by_flags_and_bad_overrides() -> None:
+    """The dispatch logic on made-up CPUs: AVX2-only (Zen 3), AVX-512 without VNNI (Skylake-X),
+    with VNNI (Cascade Lake), with BF16 and AMX (Sapphire Rapids: AMX adds no variant of its own)."""
+    avx2 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
+    skx = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+    clx = skx | {"avx512_vnni"}
+    spr = clx | {"avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}
+    assert cpu_kernels.select_isa(frozenset({"sse4_2"}), env="") is None
+    assert cpu_kernels.select_isa(avx2, env="") == "avx2"
+    assert cpu_kernels.select_isa(skx, env="") == "avx512"
+    assert cpu_kernels.select_isa(clx, env="") == "avx512_vnni"
+    assert cpu_kernels.select_isa(spr, env="") == "avx512_bf16"
+    assert cpu_kernels.select_isa(spr, env=" AVX2 ") == "avx2"
+    assert cpu_kernels.supported_isas(clx) == ("avx2", "avx512", "avx512_vnni")
+    with pytest.raises(ValueError, match=r"WARSHA_CPU_ISA='avx9'.*one of avx2, avx512"):
+        cpu_kernels.select_isa(spr, env="avx9")
+    with pytest.raises(
+        ValueError, match=r"WARSHA_CPU_ISA=avx512_bf16: this CPU lacks avx512_bf16; it runs avx2, avx512"
+    ):
+        cpu_kernels.select_isa(clx, env="avx512_bf16")
+    with pytest.raises(RuntimeError, match="unknown ISA"):
+        cpu_kernels.load().set_isa("avx9")
 
 
 def _spacing(ref: torch.Tensor) -> torch.Tensor:
@@ -33,7 +92,7 @@ def _spacing(ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 19])
 @pytest.mark.parametrize("n, k", [(300, 96), (77, 200), (64, 37), (130, 1024)])
-def test_bf16_kernel_is_float32_accumulation_of_bf16_values(rows: int, n: int, k: int) -> None:
+def test_bf16_kernel_is_float32_accumulation_of_bf16_values(rows: int, n: int, k: int, isa: str) -> None:
     torch.manual_seed(rows * 1000 + k)
     w = torch.randn(n, k).bfloat16()
     x = torch.randn(rows, k).bfloat16()
@@ -44,12 +103,16 @@ def test_bf16_kernel_is_float32_accumulation_of_bf16_values(rows: int, n: int, k
     got = cpu_kernels.gemv_bf16(x, w)  # rounded once to bf16
     assert got.dtype == torch.bfloat16
     assert bool(((got.double() - ref).abs() <= _spacing(ref) + accumulation).all())
-    assert torch.equal(cpu_kernels.gemv_bf16(x.float(), w, torch.float32), got32.float())  # float32 input, same values
+    got_f = cpu_kernels.gemv_bf16(x.float(), w, torch.float32)  # float32 input, same values
+    if isa == "avx512_bf16":  # bf16 input took vdpbf16ps, float32 input the widening kernel
+        assert bool(((got_f.double() - ref).abs() <= accumulation + 1e-30).all())
+    else:
+        assert torch.equal(got_f, got32.float())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("n, k", [(300, 96), (77, 200), (64, 37), (90, 2816)])  # 2816: features walked in chunks
-def test_f32_kernel_is_float32_accumulation(rows: int, n: int, k: int) -> None:
+def test_f32_kernel_is_float32_accumulation(rows: int, n: int, k: int, isa: str) -> None:
     """float32 weights read in place: the exact product within float32 accumulation error, in
     float32 or rounded once to bf16."""
     torch.manual_seed(rows * 100 + k)
@@ -97,7 +160,7 @@ def test_int4_layout_matches_brute_force_packing() -> None:
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_float_kernel_matches_float64_dequantized(rows: int, group: int) -> None:
+def test_int4_float_kernel_matches_float64_dequantized(rows: int, group: int, isa: str) -> None:
     q, scales, zeros = _random_int4(256, 72, group, seed=rows + group)
     x = torch.randn(rows, 256)
     ref = x.double() @ _dequant64(q, scales, zeros, group).T
@@ -125,7 +188,7 @@ def _int8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 9])
 @pytest.mark.parametrize("group, k", [(32, 256), (32, 224), (64, 320), (64, 1152), (128, 256), (128, 640), (256, 512)])
-def test_int4_int8_activation_kernel_matches_its_arithmetic(rows: int, group: int, k: int) -> None:
+def test_int4_int8_activation_kernel_matches_its_arithmetic(rows: int, group: int, k: int, isa: str) -> None:
     """q * scale terms use the rounded activations, the zero term the exact ones.
 
     Group 32 or K not a multiple of 64 take the one-block kernel, the rest the two-block one (an
@@ -145,7 +208,7 @@ def test_int4_int8_activation_kernel_matches_its_arithmetic(rows: int, group: in
     assert ((got - exact).norm() / exact.norm()).item() < 0.03
 
 
-def test_int8_activation_sums_do_not_overflow_at_the_extremes() -> None:
+def test_int8_activation_sums_do_not_overflow_at_the_extremes(isa: str) -> None:
     """All weights 15, all activations at the same magnitude (every m_b = M, every |x_q| = 127)
     over a large group: the int32 group sums reach their bound and must stay exact."""
     k, group = 4096, 4096
@@ -159,7 +222,7 @@ def test_int8_activation_sums_do_not_overflow_at_the_extremes() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=0.0)
 
 
-def test_results_do_not_depend_on_thread_count() -> None:
+def test_results_do_not_depend_on_thread_count(isa: str) -> None:
     q, scales, zeros = _random_int4(512, 700, 128, seed=3)
     packed = cpu_kernels.Int4Packed(q, scales, zeros, 128)
     w = torch.randn(700, 512).bfloat16()
@@ -224,8 +287,18 @@ def test_bad_shapes_are_named_errors() -> None:
         cpu_kernels.gemv_f32(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
 
 
+def test_int8_weight_kernel_matches_float64(isa: str) -> None:
+    torch.manual_seed(5)
+    q = torch.randint(-127, 128, (301, 200), dtype=torch.int8)
+    scale = torch.rand(301) * 0.01 + 1e-3
+    x = torch.randn(3, 200)
+    ref = x.double() @ (q.double() * scale.double()[:, None]).T
+    got = cpu_kernels.gemv_int8(x, q, scale, torch.float32).double()
+    accumulation = 200 * 2.0**-23 * (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).T)
+    assert bool(((got - ref).abs() <= 2 * accumulation + 1e-30).all())
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
-    import os
     import time
 
     from serve.cpu_kernels import clear_stale_lock
@@ -237,3 +310,71 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> N
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path, max_age=600) and not lock.exists()
     assert not clear_stale_lock(tmp_path, max_age=600)  # nothing to remove
+
+
+def _owner_record(pid: int) -> str:
+    import socket
+
+    return f"{socket.gethostname()} {pid}\n"
+
+
+def test_a_lock_whose_owner_died_is_taken_over_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A build killed midway left torch's lock and its owner record (a pid that no longer runs):
+    the next build takes over without waiting, records itself, and clears its record after."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "lock").touch()  # fresh: the age rule alone would wait 600 s
+    (tmp_path / cpu_kernels.OWNER_FILE).write_text(_owner_record(dead.pid))
+    with caplog.at_level("WARNING", logger="serve.cpu_kernels"):
+        with cpu_kernels.build_lock(tmp_path, max_age=600, poll=0.01):
+            assert not (tmp_path / "lock").exists()
+            assert (tmp_path / cpu_kernels.OWNER_FILE).read_text() == _owner_record(os.getpid())
+    assert not (tmp_path / cpu_kernels.OWNER_FILE).exists()
+    assert f"pid {dead.pid}" in caplog.text and "is gone" in caplog.text
+
+
+def _build_in_thread(build_dir: Path) -> tuple[threading.Thread, threading.Event]:
+    """A started thread that takes the build lock (polling every 10 ms); the event is set once it holds it."""
+    entered = threading.Event()
+
+    def build() -> None:
+        with cpu_kernels.build_lock(build_dir, max_age=600, poll=0.01):
+            entered.set()
+
+    waiter = threading.Thread(target=build)
+    waiter.start()
+    return waiter, entered
+
+
+def test_a_live_builder_is_waited_for_with_one_message(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """While the owner runs, the next process waits and says so once; when it dies, it takes over."""
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (tmp_path / cpu_kernels.OWNER_FILE).write_text(_owner_record(owner.pid))
+    with caplog.at_level("WARNING", logger="serve.cpu_kernels"):
+        waiter, entered = _build_in_thread(tmp_path)
+        try:
+            assert not entered.wait(0.5)  # held by a live process: still waiting
+        finally:
+            owner.kill()
+            owner.wait()
+        waiter.join(10)
+    assert entered.is_set() and not waiter.is_alive()
+    waits = [r for r in caplog.records if r.getMessage().startswith("waiting for")]
+    assert len(waits) == 1 and f"pid {owner.pid}" in waits[0].getMessage()
+
+
+def test_an_unowned_fresh_lock_is_waited_for_and_an_old_one_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    with caplog.at_level("WARNING", logger="serve.cpu_kernels"):
+        waiter, entered = _build_in_thread(tmp_path)
+        assert not entered.wait(0.3)
+        old = time.time() - 3600
+        os.utime(lock, (old, old))  # now older than max_age: a killed build's
+        waiter.join(10)
+    assert entered.is_set() and not lock.exists()
+    assert sum(r.getMessage().startswith("waiting for a build lock") for r in caplog.records) == 1

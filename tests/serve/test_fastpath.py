@@ -20,7 +20,7 @@ from serve import cpu_kernels
 from serve.attention import SeqChunk, TorchPagedAttention, paged_attention_reference
 from serve.attention.torch_ref import split_by_context
 from serve.model import rms_norm
-from serve.quant import F32_KERNEL_MAX_ROWS, PACKED_MAX_ROWS, DenseLinear
+from serve.quant import F32_KERNEL_MAX_ROWS, NATIVE_BF16_KERNEL_MAX_ROWS, PACKED_MAX_ROWS, DenseLinear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 37])
@@ -99,7 +99,19 @@ def test_dense_linear_upcast_switches_by_rows() -> None:
     few = torch.randn(cpu_kernels.MAX_ROWS, 32).bfloat16()
     assert torch.equal(fast(few), cpu_kernels.gemv_bf16(few, w))  # decode and verification batches
     assert torch.equal(fast(many), lin(many))
-    assert DenseLinear(w, upcast=False, use_kernels=True).kernel_max_rows == 0  # native bf16 CPUs keep oneDNN
+    native = DenseLinear(w, upcast=False, use_kernels=True)  # native bf16: vdpbf16ps for decode rows only
+    assert native.weight32 is None
+    if cpu_kernels.has_bf16_dot():
+        assert native.kernel_max_rows == NATIVE_BF16_KERNEL_MAX_ROWS
+        four = few[:NATIVE_BF16_KERNEL_MAX_ROWS]
+        assert torch.equal(native(four), cpu_kernels.gemv_bf16(four, w))
+    else:  # the widening kernels lost to oneDNN on a native-bf16 CPU: it keeps every batch
+        assert native.kernel_max_rows == 0
+    with cpu_kernels.use_isa("avx2"):  # forced AVX2 (WARSHA_CPU_ISA=avx2): today's oneDNN path
+        assert DenseLinear(w, upcast=False, use_kernels=True).kernel_max_rows == 0
+    more = torch.randn(NATIVE_BF16_KERNEL_MAX_ROWS + 1, 32).bfloat16()
+    torch.testing.assert_close(native(more).float(), F.linear(more.float(), w.float()), rtol=1e-2, atol=1e-2)
+    assert DenseLinear(w, upcast=False, use_kernels=False).kernel_max_rows == 0
 
 
 def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,402 @@
+// Small-batch matrix products for the serving engine's CPU path: the ISA-free parts and the
+// exported entry points, which run the variant chosen at load (serve/cpu_kernels.py, set_isa).
+//
+// Why: a decode step multiplies 1-16 activation rows by every weight matrix once, so it is
+// bound by reading the weights. On CPUs without native bf16 (AVX2 only), torch's bf16 matrix-
+// vector product and its int4 kernel are bound by their own arithmetic instead: measured on a
+// 2-core Zen 3, a bf16 5632 x 1024 product ran at half of memory speed and the int4 kernel at
+// a quarter. Here each weight block is widened to float32 once (bf16: a 16-bit shift; int4: a
+// byte-to-float conversion and one FMA with the group's scale and zero) and then used by every
+// activation row, so R rows cost about one pass over the weights. Float32 accumulation, as a
+// native bf16 GEMM does; the caller rounds once.
+//
+// ISA variants: gemv_impl.h holds the kernels once; this file includes it four times, each in
+// its own namespace under `#pragma GCC target`: avx2 (256-bit, the baseline flags), avx512
+// (512-bit vectors: one weight block of 32 is two vectors), avx512_vnni (int4 x int8: the
+// multiplier `madd` and the int32 add fused into vpdpwssd) and avx512_bf16 (bf16 weights times
+// bf16 activations with vdpbf16ps: 32 products per instruction, no widening). One build holds
+// all four; a CPU only ever runs the one its flags allow (checked again in set_isa).
+//
+// int4 layout (built by serve/cpu_kernels.py from the GPTQ checkpoint): uint8 [N, K/2]; for
+// output n and input block b of 32 features, byte j of the block's 16 bytes holds feature
+// 32b+j in its low nibble and 32b+16+j in its high nibble. scales, zeros: float32 [N, K/G];
+// w[n, k] = q * scale + zero (zero already holds -scale * zero_point).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+using warsha::bf16_to_float;
+using warsha::float_to_bf16;
+
+constexpr int64_t kBlock = 32;   // weights handled per inner iteration (4 AVX2 or 2 AVX-512 vectors)
+constexpr int kMaxRows = 8;       // activation rows per pass over the weights
+constexpr int64_t kChunk = 256;  // granularity of feature chunks (a multiple of kBlock and of any int4 group)
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Input features are walked in chunks when the R activation rows being reused would not stay in
+// L1 (5 rows x 2816 float32 features: the down projection ran slower than MKL); a single row
+// keeps whole weight rows, which the prefetcher streams best (chunking it cost up to 2x).
+constexpr int64_t kL2Ahead = 32 * 1024;  // bytes of weights between a prefetch and its use (rows_kernel)
+
+inline int64_t feature_chunk(int R, int64_t K) {
+  constexpr int64_t kL1Budget = 24 * 1024;
+  if (R * K * 4 <= kL1Budget) return K;
+  return std::max<int64_t>(kChunk, (kL1Budget / (4 * R)) / kChunk * kChunk);
+}
+
+// The activations as float32 without a torch op (bf16 widened here): per-op dispatch costs more
+// than the conversion for a decode row.
+struct FloatRows {
+  std::vector<float> storage;
+  const float* data;
+  explicit FloatRows(const torch::Tensor& x) : data(nullptr) {
+    const torch::Tensor c = x.contiguous();
+    if (c.scalar_type() == torch::kFloat32 && c.is_same(x)) {
+      data = x.data_ptr<float>();
+      return;
+    }
+    storage.resize(c.numel());
+    if (c.scalar_type() == torch::kBFloat16) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(c.data_ptr());
+      for (int64_t i = 0; i < c.numel(); ++i) storage[i] = bf16_to_float(p[i]);
+    } else {
+      const torch::Tensor f = c.to(torch::kFloat32);
+      std::memcpy(storage.data(), f.data_ptr<float>(), sizeof(float) * c.numel());
+    }
+    data = storage.data();
+  }
+};
+
+// A float32 result buffer written out as `out_dtype` (bf16 rounded here, once).
+torch::Tensor emit(const std::vector<float>& y, int64_t M, int64_t N, at::ScalarType out_dtype) {
+  if (out_dtype == torch::kBFloat16) {
+    torch::Tensor out = torch::empty({M, N}, torch::kBFloat16);
+    uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for (int64_t i = 0; i < M * N; ++i) o[i] = float_to_bf16(y[i]);
+    return out;
+  }
+  torch::Tensor out = torch::empty({M, N}, torch::kFloat32);
+  std::memcpy(out.data_ptr<float>(), y.data(), sizeof(float) * M * N);
+  return out_dtype == torch::kFloat32 ? out : out.to(out_dtype);
+}
+
+// Runs W over x [M, K] in chunks of up to kMaxRows rows, outputs split across torch's threads.
+template <typename Dispatch>
+torch::Tensor run(const Dispatch& dispatch, const torch::Tensor& x_in, int64_t N, at::ScalarType out_dtype) {
+  const FloatRows x(x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  std::vector<float> y(M * N);
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      dispatch(rows, x.data + m0 * K, K, N, n0, n1, y.data() + m0 * N);
+    });
+  }
+  return emit(y, M, N, out_dtype);
+}
+
+// ---- int4 weights x int8 activations (dynamic, quantized per 32 input features of each row).
+// Why: widening int4 to float costs three vector ops per 8 weights, which keeps the float
+// kernel above compute-bound speed on AVX2; with activations quantized per block the products
+// run as u8 x s8 integer dot products (maddubs: 32 products in one instruction), as llama.cpp's
+// Q4 x Q8 path does. The zero-point term uses the exact float sums of each activation group.
+//
+// Block scales are integer multiples of one scale per row: s_b = S * m_b, with S = max_b(a_b) /
+// (127 * M) and m_b = ceil(a_b / (127 * S)) for a block's max |x| a_b (so |round(x / s_b)| <=
+// 127, and s_b exceeds a_b / 127 by at most S). The multiplier m_b then joins the integer dot
+// product (`madd` by m_b instead of by 1) and a weight group's blocks add up in int32: one
+// conversion and one FMA per weight group instead of one per block. Each int32 lane gains at most
+// 8 * 15 * 127 * M per 64 features, so a group's sum stays below 238.125 * M * group < 2^31
+// while M * group <= 2^23.
+
+// One decode row: the integer step is now light enough that the hardware prefetcher alone left
+// each core waiting on weight loads (measured on Zen 1: 15-25% slower without this prefetch).
+constexpr int64_t kPrefetchAhead = 2048;
+constexpr int64_t kMultBudget = int64_t{1} << 23;  // M * group: int32 group sums cannot overflow
+constexpr int64_t kMaxMult = 4096;                  // M: s_b is a_b / 127 rounded up by <= 1/4096 of the row's largest
+
+int64_t multiplier_range(int64_t group) { return std::max<int64_t>(1, std::min(kMaxMult, kMultBudget / group)); }
+
+struct QuantRows {
+  std::vector<int8_t> q;       // [R, K]
+  std::vector<int16_t> mult;   // [R, K/32]: m_b
+  std::vector<float> row_scale;  // [R]: S
+  std::vector<float> gsum;     // [R, K/group]: exact float sums of x per weight group
+};
+
+QuantRows quantize_rows(const float* x, int R, int64_t K, int64_t group) {
+  const int64_t blocks = K / kBlock, range = multiplier_range(group);
+  QuantRows out{std::vector<int8_t>(R * K), std::vector<int16_t>(R * blocks), std::vector<float>(R, 0.f),
+                std::vector<float>(R * (K / group), 0.f)};
+  std::vector<float> amax(blocks);
+  for (int r = 0; r < R; ++r) {
+    float top = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      float a = 0.f, sum = 0.f;
+      for (int j = 0; j < kBlock; ++j) { a = std::max(a, std::fabs(xb[j])); sum += xb[j]; }
+      amax[b] = a;
+      top = std::max(top, a);
+      out.gsum[r * (K / group) + (b * kBlock) / group] += sum;
+    }
+    const float S = top / (127.f * static_cast<float>(range));
+    out.row_scale[r] = S;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float m = S > 0.f ? std::ceil(amax[b] / (127.f * S)) : 0.f;
+      out.mult[r * blocks + b] = static_cast<int16_t>(std::min<float>(m, static_cast<float>(range)));
+      const float scale = S * static_cast<float>(out.mult[r * blocks + b]);
+      const float inv = scale > 0.f ? 1.f / scale : 0.f;
+      const float* xb = x + r * K + b * kBlock;
+      int8_t* qb = out.q.data() + r * K + b * kBlock;
+      for (int j = 0; j < kBlock; ++j) qb[j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(xb[j] * inv))));
+    }
+  }
+  return out;
+}
+
+// Calls f(std::integral_constant<int, R>) for a chunk of `rows` activation rows (1-8).
+template <typename F>
+void by_rows(int rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// ---- two blocks per step (K a multiple of 64, groups of 64 or more).
+// Why: per 32 weights the one-block step spends four vector ops unpacking nibbles into feature
+// order. Loading two blocks' 32 bytes at once, one mask gives the low nibbles of both (features
+// 0-15 of each block) and one shift and mask the high nibbles (features 16-31). The activations
+// are laid out once per call in that order, so no weight is ever shuffled; the two u8 x s8
+// products add in 16 bits (|sum| <= 4 * 15 * 127 fits), and one `madd` by the blocks'
+// multipliers (16-bit lanes 0-7 block 2p's, 8-15 block 2p+1's) widens them to int32.
+
+struct PairRows {
+  std::vector<int8_t> q;     // [R, K]: per 64 features, x[0:16] x[32:48] x[16:32] x[48:64]
+  std::vector<int16_t> m16;  // [R, K/64, 16]: m_{2p} in lanes 0-7, m_{2p+1} in lanes 8-15
+};
+
+PairRows pair_rows(const QuantRows& xq, int R, int64_t K) {
+  const int64_t blocks = K / kBlock, pairs = K / (2 * kBlock);
+  PairRows out{std::vector<int8_t>(R * K), std::vector<int16_t>(R * pairs * 16)};
+  for (int r = 0; r < R; ++r) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int8_t* src = xq.q.data() + r * K + p * 64;
+      int8_t* dst = out.q.data() + r * K + p * 64;
+      std::memcpy(dst, src, 16);
+      std::memcpy(dst + 16, src + 32, 16);
+      std::memcpy(dst + 32, src + 16, 16);
+      std::memcpy(dst + 48, src + 48, 16);
+      for (int l = 0; l < 16; ++l) out.m16[(r * pairs + p) * 16 + l] = xq.mult[r * blocks + 2 * p + l / 8];
+    }
+  }
+  return out;
+}
+
+// sum over groups of zeros[g] * gsum[g]: the zero-point term of one output and one row
+inline float zero_term(const float* zeros, const float* gsum, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(zeros + g), _mm256_loadu_ps(gsum + g), acc);
+  float total = hsum(acc);
+  for (; g < groups; ++g) total += zeros[g] * gsum[g];
+  return total;
+}
+
+void check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [rows, ", K, "], got ", x.sizes());
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
+}
+
+void check_int4(const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros, int64_t group) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8 && q.is_contiguous(), "q must be a contiguous uint8 [N, K/2] tensor");
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  TORCH_CHECK(K % kBlock == 0 && group % kBlock == 0 && K % group == 0 && (group & (group - 1)) == 0,
+              "int4 kernel needs a power-of-two group size of at least 32 that divides K");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && zeros.scalar_type() == torch::kFloat32, "scales and zeros must be float32");
+  TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * (K / group) && zeros.numel() == scales.numel(),
+              "scales and zeros must be contiguous [N, K/group]");
+}
+
+// ---- the variants: gemv_impl.h once per ISA (see the header comment)
+namespace isa_avx2 {
+#define WARSHA_VEC 256
+#define WARSHA_VNNI 0
+#define WARSHA_BF16DOT 0
+#include "gemv_impl.h"
+#undef WARSHA_VEC
+#undef WARSHA_VNNI
+#undef WARSHA_BF16DOT
+}  // namespace isa_avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace isa_avx512 {
+#define WARSHA_VEC 512
+#define WARSHA_VNNI 0
+#define WARSHA_BF16DOT 0
+#include "gemv_impl.h"
+#undef WARSHA_VEC
+#undef WARSHA_VNNI
+#undef WARSHA_BF16DOT
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace isa_avx512_vnni {
+#define WARSHA_VEC 512
+#define WARSHA_VNNI 1
+#define WARSHA_BF16DOT 0
+#include "gemv_impl.h"
+#undef WARSHA_VEC
+#undef WARSHA_VNNI
+#undef WARSHA_BF16DOT
+}  // namespace isa_avx512_vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")
+namespace isa_avx512_bf16 {
+#define WARSHA_VEC 512
+#define WARSHA_VNNI 1
+#define WARSHA_BF16DOT 1
+#include "gemv_impl.h"
+#undef WARSHA_VEC
+#undef WARSHA_VNNI
+#undef WARSHA_BF16DOT
+}  // namespace isa_avx512_bf16
+#pragma GCC pop_options
+
+// The variant every entry point runs: set once at load by serve/cpu_kernels.py (set_isa).
+enum class Isa { kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
+Isa g_isa = Isa::kAvx2;
+
+}  // namespace
+
+#define WARSHA_DISPATCH(fn, ...)                                           \
+  switch (g_isa) {                                                         \
+    case Isa::kAvx512: return isa_avx512::fn(__VA_ARGS__);                 \
+    case Isa::kAvx512Vnni: return isa_avx512_vnni::fn(__VA_ARGS__);        \
+    case Isa::kAvx512Bf16: return isa_avx512_bf16::fn(__VA_ARGS__);        \
+    default: return isa_avx2::fn(__VA_ARGS__);                             \
+  }
+
+// Choose the variant by name ("avx2", "avx512", "avx512_vnni", "avx512_bf16"); the CPU must
+// report every extension it uses (checked here too: a wrong choice would be an illegal
+// instruction, not an error).
+void set_isa(const std::string& name) {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool vnni = avx512 && __builtin_cpu_supports("avx512vnni");
+  const bool bf16 = vnni && __builtin_cpu_supports("avx512bf16");
+  if (name == "avx2") {
+    g_isa = Isa::kAvx2;
+  } else if (name == "avx512") {
+    TORCH_CHECK(avx512, "this CPU lacks AVX-512 F/BW/VL/DQ: the avx512 kernels cannot run here");
+    g_isa = Isa::kAvx512;
+  } else if (name == "avx512_vnni") {
+    TORCH_CHECK(vnni, "this CPU lacks AVX-512 VNNI: the avx512_vnni kernels cannot run here");
+    g_isa = Isa::kAvx512Vnni;
+  } else if (name == "avx512_bf16") {
+    TORCH_CHECK(bf16, "this CPU lacks AVX-512 BF16: the avx512_bf16 kernels cannot run here");
+    g_isa = Isa::kAvx512Bf16;
+  } else {
+    TORCH_CHECK(false, "unknown ISA '", name, "': one of avx2, avx512, avx512_vnni, avx512_bf16");
+  }
+}
+
+std::string current_isa() {
+  switch (g_isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    default: return "avx2";
+  }
+}
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {
+  WARSHA_DISPATCH(gemv_bf16, x, w, out_dtype)
+}
+
+torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {
+  WARSHA_DISPATCH(gemv_f32, x, w, out_dtype)
+}
+
+torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
+                        int64_t group, at::ScalarType out_dtype) {
+  WARSHA_DISPATCH(gemv_int4, x, q, scales, zeros, group, out_dtype)
+}
+
+torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, at::ScalarType out_dtype) {
+  WARSHA_DISPATCH(gemv_int8, x, q, scales, out_dtype)
+}
+
+torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
+                           int64_t group, at::ScalarType out_dtype) {
+  WARSHA_DISPATCH(gemv_int4_a8, x, q, scales, zeros, group, out_dtype)
+}
+
+// RMSNorm of bf16 rows as transformers computes it: float32 mean of squares, x * rsqrt rounded
+// to bf16, then times the bf16 weight (rounded again). One call instead of torch's seven ops.
+torch::Tensor rms_norm_bf16(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16 && w_in.scalar_type() == torch::kBFloat16, "rms_norm_bf16 takes bf16 x and weight");
+  const torch::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t H = w.numel();
+  TORCH_CHECK(x.size(-1) == H, "x's last dim (", x.size(-1), ") must equal the weight's size (", H, ")");
+  torch::Tensor out = torch::empty_like(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t rows = x.numel() / H;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = xp + r * H;
+    float sum = 0.f;
+    for (int64_t i = 0; i < H; ++i) {
+      const float v = bf16_to_float(xr[i]);
+      sum += v * v;
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) {
+      const float h = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv));
+      op[r * H + i] = float_to_bf16(bf16_to_float(wp[i]) * h);
+    }
+  }
+  return out;
+}
+
+// How many threads at::parallel_for really ran on: 1 when the library was built without OpenMP
+// (the pragma in torch's header is then ignored and every kernel silently runs serially).
+int64_t parallel_threads() {
+  std::vector<int> seen(at::get_num_threads() + 1, 0);
+  at::parallel_for(0, 1 << 12, 1, [&](int64_t, int64_t) { seen[std::min<int64_t>(at::get_thread_num(), seen.size() - 1)] = 1; });
+  int64_t used = 0;
+  for (int v : seen) used += v;
+  return used;
+}

@@ -7,10 +7,20 @@ second; torch and transformers are imported inside ``quantize.run`` when a stage
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from warsha.schema import check, ge, gt, le, multiple_of
+from warsha.schema import check, ge, gt, le
 from warsha.stage import StageDef
+
+if TYPE_CHECKING:
+    from warsha.widths import Widths
+
+
+def _group_size_check(value: int | str) -> str | None:
+    """``auto``, or a multiple of 8 of at least 8."""
+    if value == "auto" or (isinstance(value, int) and value >= 8 and value % 8 == 0):
+        return None
+    return f"must be 'auto' or a multiple of 8 >= 8, got {value!r}"
 
 
 @dataclass
@@ -18,7 +28,12 @@ class RTNParams:
     """Round-to-nearest: the baseline every calibrated method must beat."""
 
     bits: Literal[3, 4, 8] = field(default=4, metadata=check(help="bits per weight"))
-    group_size: int = field(default=128, metadata=check(ge(8), multiple_of(8), help="input columns per scale/zero"))
+    group_size: int | Literal["auto"] = field(
+        default=128,
+        metadata=check(
+            _group_size_check, help="input columns per scale/zero; auto: the largest of 128/64/32 that fits"
+        ),
+    )
     sym: bool = field(default=True, metadata=check(help="symmetric grid (zero fixed at 2**(bits-1))"))
     format: Literal["gptq", "awq"] = field(
         default="gptq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md")
@@ -94,17 +109,46 @@ class AWQParams(CalibratedParams):
     n_samples: int = field(default=64, metadata=check(ge(1), help="calibration rows"))
 
 
+def check_widths(params: RTNParams, widths: "Widths") -> list[str]:
+    """Planning-time check: every quantized linear of a model with these widths fits the grid.
+
+    One line per pattern of bad linears (they repeat in every layer), with the group sizes
+    that would fit; nothing when ``on_bad_group: fallback`` keeps such linears in float.
+    """
+    from quantize.arch import arch_for
+    from quantize.shapes import advice, fitting_group_sizes, linear_shapes, shape_problems, summarize
+
+    try:
+        arch = arch_for(widths.model_type)
+    except ValueError as exc:
+        return [f"group_size: cannot check the model's widths: {exc}"]
+    shapes = linear_shapes(arch, widths)
+    fits = fitting_group_sizes(shapes.values(), params.bits, params.format)
+    where = f"(widths from {widths.source})"
+    if params.group_size == "auto":
+        return [] if fits else [f"group_size: auto: {advice('auto', fits)} {where}"]
+    bad = shape_problems(shapes, widths.num_layers, params.bits, params.group_size, params.format)
+    if not bad or params.on_bad_group == "fallback":
+        return []
+    tail = f"; {advice(params.group_size, fits)} {where}"
+    return [f"group_size: {line}{tail}" for line in summarize(bad, widths.num_layers)]
+
+
+def _stage(name: str, params: type, entry: str, description: str) -> StageDef:
+    return StageDef(name, params, entry, description, check_widths="quantize.stages:check_widths")
+
+
 STAGES: dict[str, StageDef] = {
-    "awq": StageDef(
+    "awq": _stage(
         "quantize.awq", AWQParams, "quantize.run:run_awq", "AWQ 4-bit weight quantization (CPU or GPU), layer by layer"
     ),
-    "gptq": StageDef(
+    "gptq": _stage(
         "quantize.gptq",
         GPTQParams,
         "quantize.run:run_gptq",
         "GPTQ 4-bit weight quantization (CPU or GPU), layer by layer",
     ),
-    "rtn": StageDef(
+    "rtn": _stage(
         "quantize.rtn", RTNParams, "quantize.run:run_rtn", "round-to-nearest weight quantization (the baseline)"
     ),
 }

@@ -31,7 +31,7 @@ def test_registry_and_fast_import() -> None:
 def test_params_report_every_problem() -> None:
     problems: list[str] = []
     from_dict(AWQParams, {"bits": 3, "group_size": 100, "on_bad_group": "skip"}, "stages[5].params", problems)
-    assert "stages[5].params.group_size: must be a multiple of 8, got 100" in problems
+    assert "stages[5].params.group_size: must be 'auto' or a multiple of 8 >= 8, got 100" in problems
     assert any(p.startswith("stages[5].params.on_bad_group: must be one of 'error' | 'fallback'") for p in problems)
     problems = []
     from_dict(AWQParams, {"bits": 3}, "p", problems)

@@ -1,4 +1,4 @@
-"""Stages ``quantize.awq``, ``quantize.gptq`` and ``quantize.rtn``.
+"""Stages ``quantize.awq``, ``quantize.gptq``, ``quantize.rtn`` and ``quantize.gguf``.
 
 Imports nothing heavy: the runner imports this module to validate recipes in well under a
 second; torch and transformers are imported inside ``quantize.run`` when a stage runs.
@@ -7,7 +7,7 @@ second; torch and transformers are imported inside ``quantize.run`` when a stage
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from warsha.schema import check, ge, gt, le
 from warsha.stage import StageDef
@@ -109,6 +109,51 @@ class AWQParams(CalibratedParams):
     n_samples: int = field(default=64, metadata=check(ge(1), help="calibration rows"))
 
 
+@dataclass
+class GGUFParams:
+    """``quantize.gguf``: llama.cpp's F16 GGUF and its quantized types, an Ollama Modelfile."""
+
+    types: list[str] = field(
+        default_factory=lambda: ["Q8_0", "Q4_K_M"], metadata=check(help="llama.cpp types quantized from the F16 file")
+    )
+    llamacpp_venv: str = field(
+        default="~/.cache/warsha-peers/llamacpp",
+        metadata=check(help="venv with llama-cpp-python and its sdist (benchmarks/peers/setup_llamacpp.sh)"),
+    )
+    modelfile_type: str | None = field(
+        default=None, metadata=check(help="the GGUF the Modelfile's FROM names (default: the last of types)")
+    )
+    ollama_parameters: dict[str, Any] = field(
+        default_factory=dict, metadata=check(help="extra Modelfile PARAMETER lines, e.g. {temperature: 0.7}")
+    )
+    eval_langs: list[str] = field(default_factory=lambda: ["ar", "en"])
+    eval_documents: int = field(default=16, metadata=check(ge(1), help="validation documents per language"))
+    eval_max_length: int = field(default=256, metadata=check(ge(16), help="likelihood window in tokens"))
+    tokenize_documents: int = field(
+        default=200, metadata=check(ge(1), help="held-out texts per language whose tokenization is compared")
+    )
+    num_prompts: int = field(default=4, metadata=check(ge(1), help="greedy prompts, F16 GGUF vs serve float32"))
+    prompt_tokens: int = field(default=32, metadata=check(ge(2)))
+    max_tokens: int = field(default=24, metadata=check(ge(1), help="greedy tokens per prompt"))
+    tie_tolerance: float = field(
+        default=0.01,
+        metadata=check(ge(0.0), help="a divergence between serve's two best tokens closer than this is a near-tie"),
+    )
+    speed_tokens: int = field(default=32, metadata=check(ge(1), help="decode steps timed per type"))
+    threads: int = field(default=2, metadata=check(ge(1)))
+
+    def validate(self) -> list[str]:
+        """Type names llama.cpp knows, and a Modelfile target that is produced."""
+        from quantize.gguf_tool import FTYPES
+
+        problems = [
+            f"types: unknown llama.cpp type {t!r} (known: {', '.join(FTYPES)})" for t in self.types if t not in FTYPES
+        ]
+        if self.modelfile_type is not None and self.modelfile_type not in {"F16", *self.types}:
+            problems.append(f"modelfile_type: {self.modelfile_type!r} is neither F16 nor one of types {self.types}")
+        return problems
+
+
 def check_widths(params: RTNParams, widths: "Widths") -> list[str]:
     """Planning-time check: every quantized linear of a model with these widths fits the grid.
 
@@ -147,6 +192,12 @@ STAGES: dict[str, StageDef] = {
         GPTQParams,
         "quantize.run:run_gptq",
         "GPTQ 4-bit weight quantization (CPU or GPU), layer by layer",
+    ),
+    "gguf": StageDef(
+        "quantize.gguf",
+        GGUFParams,
+        "quantize.gguf_run:run_gguf",
+        "llama.cpp GGUF (F16 and quantized types) and an Ollama Modelfile, checked against serve",
     ),
     "rtn": _stage(
         "quantize.rtn", RTNParams, "quantize.run:run_rtn", "round-to-nearest weight quantization (the baseline)"

@@ -22,6 +22,7 @@ def test_registry_and_fast_import() -> None:
         "awq": "quantize.awq",
         "gptq": "quantize.gptq",
         "rtn": "quantize.rtn",
+        "gguf": "quantize.gguf",
     }
     code = "import sys, quantize.stages; print(any(m == 'torch' or m.startswith('transformers') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,7 +24,7 @@ from quantize.arch import ArchSpec, arch_for, decoder_layers, get_module
 from quantize.awq import AWQOptions
 from quantize.calib import calibration_ids, interleave
 from quantize.evalstats import DocScores, doc_scores, relative_increase
-from quantize.export import export, quantization_config
+from quantize.export import export, quantization_config, save_dtype
 from quantize.gptq import GPTQOptions
 from quantize.layerwise import (
     Plan,
@@ -206,7 +206,7 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
     qconfig = quantization_config(
         params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), extra
     )
-    export(model, quantized, src, ctx.out_dir, qconfig)
+    export(model, quantized, src, ctx.out_dir, qconfig, save_dtype(params.save_dtype, src))
     del model
     from quantize.dequant import load_dequantized
 
@@ -219,6 +219,7 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
         "format": params.format,
         "group_size": params.group_size,
         "group_size_requested": requested,
+        "save_dtype": str(save_dtype(params.save_dtype, src)).removeprefix("torch."),
         "unquantized": _dicts(before),
         "quantized": _dicts(after),
         "perplexity_increase_rel": {lang: v["rel"] for lang, v in increase.items()},

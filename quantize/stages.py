@@ -44,6 +44,10 @@ class RTNParams:
     compute_dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata=check(help="dtype of the layer-by-layer computation")
     )
+    save_dtype: Literal["bfloat16", "float16", "float32", "auto"] = field(
+        default="bfloat16",
+        metadata=check(help="dtype of the tensors left unquantized (embedding, norms, head); auto: the input's"),
+    )
     eval_langs: list[str] = field(default_factory=lambda: ["ar", "en"])
     eval_documents: int = field(default=200, metadata=check(ge(1), help="validation documents per language"))
     eval_max_length: int = field(default=512, metadata=check(ge(16), help="likelihood window in tokens"))

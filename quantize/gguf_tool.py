@@ -61,7 +61,7 @@ def quantize(f16: Path, out: Path, name: str, threads: int) -> Path:
     return out
 
 
-def load(path: Path, n_ctx: int, threads: int, logits_all: bool = False, vocab_only: bool = False) -> Any:
+def load(path: Path, n_ctx: int, threads: int, logits_all: bool = False) -> Any:
     """A ``llama_cpp.Llama`` on ``path`` (quiet)."""
     import llama_cpp
 
@@ -73,14 +73,13 @@ def load(path: Path, n_ctx: int, threads: int, logits_all: bool = False, vocab_o
         n_threads=threads,
         n_threads_batch=threads,
         logits_all=logits_all,
-        vocab_only=vocab_only,
         verbose=False,
     )
 
 
 def tokenization_diffs(path: Path, texts: dict[str, list[list[Any]]]) -> dict[str, list[int]]:
     """Per language, the indices of texts llama.cpp tokenizes differently from the HF tokenizer."""
-    llm = load(path, 64, 1, vocab_only=True)
+    llm = load(path, 64, 1)
     out: dict[str, list[int]] = {}
     for lang, pairs in texts.items():
         out[lang] = [

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from warsha.schema import check, ge, gt, le
 from warsha.stage import StageDef
 from warsha.training import TrainParams
+
+if TYPE_CHECKING:
+    from warsha.widths import Widths
 
 
 @dataclass
@@ -114,6 +117,21 @@ class DraftParams:
         return problems
 
 
+def widths(p: DraftParams, target: "Widths | None") -> "Widths | None":
+    """The draft's widths at planning (``warsha.widths``): the target's with fewer layers, the
+    configured ones in the target's family, or the given draft's ``config.json``."""
+
+    from warsha.widths import from_model_dir, from_sizes
+
+    if p.method == "model":
+        return from_model_dir(Path(p.draft_path)) if p.draft_path else None
+    if target is None:
+        return None
+    if p.method == "layers":
+        return target.with_layers(len(p.layers), "draft of the target's layers")
+    return from_sizes(target.model_type, p, "draft config params")
+
+
 STAGES: dict[str, StageDef] = {
     "draft": StageDef(
         name="distill.draft",
@@ -121,5 +139,6 @@ STAGES: dict[str, StageDef] = {
         entry="distill.run:run",
         description="build a draft with the target's tokenizer, distil it, measure acceptance",
         training=True,
+        widths="distill.stages:widths",
     )
 }

@@ -22,6 +22,7 @@ from quantize.arch import ArchSpec, decoder_layers, get_module
 from quantize.awq import AWQOptions, awq_layer
 from quantize.gptq import GPTQOptions, HessianAccumulator, gptq_quantize
 from quantize.quantizer import QuantizedLinear, QuantSpec, quantize_rtn
+from quantize.shapes import layout_problem, summarize
 
 log = logging.getLogger("warsha.quantize")
 
@@ -68,40 +69,30 @@ def check_model_finite(model: Any) -> None:
             check_finite(p.data, f"weight {name}")
 
 
-def layout_problem(in_f: int, out_f: int, spec: QuantSpec, fmt: str) -> str | None:
-    """Why a linear of this shape cannot be stored in ``fmt`` with ``spec``, or None."""
-    if in_f % spec.group_size:
-        return f"group_size {spec.group_size} does not divide in_features {in_f}"
-    if fmt == "gptq" and ((in_f * spec.bits) % 32 or (out_f * spec.bits) % 32):
-        return (
-            f"GPTQ packing of {spec.bits}-bit values needs in/out features giving whole int32 words"
-            f" (in {in_f}, out {out_f})"
-        )
-    if fmt == "awq" and out_f % 8:
-        return f"AWQ packing needs out_features divisible by 8, got {out_f}"
-    return None
-
-
 def plan_layers(model: Any, arch: ArchSpec, spec: QuantSpec, fmt: str, on_bad_group: str) -> Plan:
-    """Check every linear's shape up front: raise naming all bad ones, or skip them with a warning."""
+    """Check every linear's shape up front: raise once per pattern of bad ones, or skip them."""
     plan = Plan(names={})
-    for i, layer in enumerate(decoder_layers(model, arch)):
+    bad: dict[tuple[int, str], str] = {}
+    layers = decoder_layers(model, arch)
+    for i, layer in enumerate(layers):
         plan.names[i] = []
         for name in arch.linears:
             fc = get_module(layer, name)
-            problem = layout_problem(fc.in_features, fc.out_features, spec, fmt)
+            problem = layout_problem(fc.in_features, fc.out_features, spec.bits, spec.group_size, fmt)
             if problem:
+                bad[(i, name)] = problem
                 plan.skipped[f"{arch.layers}.{i}.{name}"] = problem
             else:
                 plan.names[i].append(name)
-    if plan.skipped and on_bad_group == "error":
-        listing = "; ".join(f"{k}: {v}" for k, v in plan.skipped.items())
+    if bad and on_bad_group == "error":
         raise ValueError(
-            f"quantize: {len(plan.skipped)} linear(s) cannot be quantized: {listing}."
-            " Choose a group_size that divides them, or set on_bad_group: fallback to keep them unquantized"
+            f"quantize: {len(bad)} linear(s) cannot be quantized: "
+            + "; ".join(summarize(bad, len(layers)))
+            + ". Choose a group_size that divides them (or auto), or set on_bad_group: fallback to keep them"
+            " unquantized"
         )
-    for k, v in plan.skipped.items():
-        log.warning("quantize: %s stays unquantized (%s)", k, v)
+    for line in summarize(bad, len(layers)):
+        log.warning("quantize: stays unquantized: %s", line)
     return plan
 
 

@@ -11,6 +11,7 @@ the size of the noise of a few thousand tokens: read every difference against it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -19,11 +20,11 @@ from typing import Any
 
 import torch
 
-from quantize.arch import ArchSpec, arch_for
+from quantize.arch import ArchSpec, arch_for, decoder_layers, get_module
 from quantize.awq import AWQOptions
 from quantize.calib import calibration_ids, interleave
 from quantize.evalstats import DocScores, doc_scores, relative_increase
-from quantize.export import export, quantization_config
+from quantize.export import export, quantization_config, save_dtype
 from quantize.gptq import GPTQOptions
 from quantize.layerwise import (
     Plan,
@@ -36,6 +37,7 @@ from quantize.layerwise import (
     rtn_method,
 )
 from quantize.quantizer import QuantizedLinear, QuantSpec
+from quantize.shapes import advice, fitting_group_sizes
 
 log = logging.getLogger("warsha.quantize")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,6 +125,23 @@ def dir_bytes(path: Path, pattern: str = "*.safetensors") -> int:
     return sum(f.stat().st_size for f in Path(path).glob(pattern))
 
 
+def resolve_group_size(model: Any, arch: ArchSpec, params: Any) -> int:
+    """``params.group_size``, with ``auto`` resolved to the largest of 128/64/32 that every
+    quantized linear of the loaded model takes (planning checked that one exists)."""
+    if params.group_size != "auto":
+        return int(params.group_size)
+    shapes = {
+        (fc.in_features, fc.out_features)
+        for layer in decoder_layers(model, arch)
+        for fc in (get_module(layer, name) for name in arch.linears)
+    }
+    fits = fitting_group_sizes(shapes, params.bits, params.format)
+    if not fits:
+        raise ValueError(f"quantize: group_size auto: {advice('auto', fits)}")
+    log.info("quantize: group_size auto -> %d", fits[0])
+    return fits[0]
+
+
 def resolve_device(device: str) -> str:
     """``auto`` means the first GPU when there is one (layers visit it one at a time)."""
     if device == "auto":
@@ -164,6 +183,8 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
         calib_ids = calibration_ids(tokenizer, texts, params.n_samples, params.seq_len)
     model = load_model(src, DTYPES[params.compute_dtype])
     check_model_finite(model)
+    requested = params.group_size
+    params = dataclasses.replace(params, group_size=resolve_group_size(model, arch, params))
     plan = plan_layers(
         model, arch, QuantSpec(params.bits, params.group_size, params.sym), params.format, params.on_bad_group
     )
@@ -185,7 +206,7 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
     qconfig = quantization_config(
         params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), extra
     )
-    export(model, quantized, src, ctx.out_dir, qconfig)
+    export(model, quantized, src, ctx.out_dir, qconfig, save_dtype(params.save_dtype, src))
     del model
     from quantize.dequant import load_dequantized
 
@@ -196,6 +217,9 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "method": method,
         "format": params.format,
+        "group_size": params.group_size,
+        "group_size_requested": requested,
+        "save_dtype": str(save_dtype(params.save_dtype, src)).removeprefix("torch."),
         "unquantized": _dicts(before),
         "quantized": _dicts(after),
         "perplexity_increase_rel": {lang: v["rel"] for lang, v in increase.items()},

@@ -1,4 +1,4 @@
-"""Stages ``quantize.awq``, ``quantize.gptq`` and ``quantize.rtn``.
+"""Stages ``quantize.awq``, ``quantize.gptq``, ``quantize.rtn`` and ``quantize.gguf``.
 
 Imports nothing heavy: the runner imports this module to validate recipes in well under a
 second; torch and transformers are imported inside ``quantize.run`` when a stage runs.
@@ -7,10 +7,20 @@ second; torch and transformers are imported inside ``quantize.run`` when a stage
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from warsha.schema import check, ge, gt, le, multiple_of
+from warsha.schema import check, ge, gt, le
 from warsha.stage import StageDef
+
+if TYPE_CHECKING:
+    from warsha.widths import Widths
+
+
+def _group_size_check(value: int | str) -> str | None:
+    """``auto``, or a multiple of 8 of at least 8."""
+    if value == "auto" or (isinstance(value, int) and value >= 8 and value % 8 == 0):
+        return None
+    return f"must be 'auto' or a multiple of 8 >= 8, got {value!r}"
 
 
 @dataclass
@@ -18,7 +28,12 @@ class RTNParams:
     """Round-to-nearest: the baseline every calibrated method must beat."""
 
     bits: Literal[3, 4, 8] = field(default=4, metadata=check(help="bits per weight"))
-    group_size: int = field(default=128, metadata=check(ge(8), multiple_of(8), help="input columns per scale/zero"))
+    group_size: int | Literal["auto"] = field(
+        default=128,
+        metadata=check(
+            _group_size_check, help="input columns per scale/zero; auto: the largest of 128/64/32 that fits"
+        ),
+    )
     sym: bool = field(default=True, metadata=check(help="symmetric grid (zero fixed at 2**(bits-1))"))
     format: Literal["gptq", "awq"] = field(
         default="gptq", metadata=check(help="checkpoint layout, see quantize/FORMAT.md")
@@ -28,6 +43,10 @@ class RTNParams:
     )
     compute_dtype: Literal["float32", "bfloat16", "float16"] = field(
         default="float32", metadata=check(help="dtype of the layer-by-layer computation")
+    )
+    save_dtype: Literal["bfloat16", "float16", "float32", "auto"] = field(
+        default="bfloat16",
+        metadata=check(help="dtype of the tensors left unquantized (embedding, norms, head); auto: the input's"),
     )
     eval_langs: list[str] = field(default_factory=lambda: ["ar", "en"])
     eval_documents: int = field(default=200, metadata=check(ge(1), help="validation documents per language"))
@@ -94,17 +113,97 @@ class AWQParams(CalibratedParams):
     n_samples: int = field(default=64, metadata=check(ge(1), help="calibration rows"))
 
 
+@dataclass
+class GGUFParams:
+    """``quantize.gguf``: llama.cpp's F16 GGUF and its quantized types, an Ollama Modelfile."""
+
+    types: list[str] = field(
+        default_factory=lambda: ["Q8_0", "Q4_K_M"], metadata=check(help="llama.cpp types quantized from the F16 file")
+    )
+    llamacpp_venv: str = field(
+        default="~/.cache/warsha-peers/llamacpp",
+        metadata=check(help="venv with llama-cpp-python and its sdist (benchmarks/peers/setup_llamacpp.sh)"),
+    )
+    modelfile_type: str | None = field(
+        default=None, metadata=check(help="the GGUF the Modelfile's FROM names (default: the last of types)")
+    )
+    ollama_parameters: dict[str, Any] = field(
+        default_factory=dict, metadata=check(help="extra Modelfile PARAMETER lines, e.g. {temperature: 0.7}")
+    )
+    eval_langs: list[str] = field(default_factory=lambda: ["ar", "en"])
+    eval_documents: int = field(default=16, metadata=check(ge(1), help="validation documents per language"))
+    eval_max_length: int = field(default=256, metadata=check(ge(16), help="likelihood window in tokens"))
+    tokenize_documents: int = field(
+        default=200, metadata=check(ge(1), help="held-out texts per language whose tokenization is compared")
+    )
+    num_prompts: int = field(default=4, metadata=check(ge(1), help="greedy prompts, F16 GGUF vs serve float32"))
+    prompt_tokens: int = field(default=32, metadata=check(ge(2)))
+    max_tokens: int = field(default=24, metadata=check(ge(1), help="greedy tokens per prompt"))
+    tie_tolerance: float = field(
+        default=0.01,
+        metadata=check(ge(0.0), help="a divergence between serve's two best tokens closer than this is a near-tie"),
+    )
+    speed_tokens: int = field(default=32, metadata=check(ge(1), help="decode steps timed per type"))
+    threads: int = field(default=2, metadata=check(ge(1)))
+
+    def validate(self) -> list[str]:
+        """Type names llama.cpp knows, and a Modelfile target that is produced."""
+        from quantize.gguf_tool import FTYPES
+
+        problems = [
+            f"types: unknown llama.cpp type {t!r} (known: {', '.join(FTYPES)})" for t in self.types if t not in FTYPES
+        ]
+        if self.modelfile_type is not None and self.modelfile_type not in {"F16", *self.types}:
+            problems.append(f"modelfile_type: {self.modelfile_type!r} is neither F16 nor one of types {self.types}")
+        return problems
+
+
+def check_widths(params: RTNParams, widths: "Widths") -> list[str]:
+    """Planning-time check: every quantized linear of a model with these widths fits the grid.
+
+    One line per pattern of bad linears (they repeat in every layer), with the group sizes
+    that would fit; nothing when ``on_bad_group: fallback`` keeps such linears in float.
+    """
+    from quantize.arch import arch_for
+    from quantize.shapes import advice, fitting_group_sizes, linear_shapes, shape_problems, summarize
+
+    try:
+        arch = arch_for(widths.model_type)
+    except ValueError as exc:
+        return [f"group_size: cannot check the model's widths: {exc}"]
+    shapes = linear_shapes(arch, widths)
+    fits = fitting_group_sizes(shapes.values(), params.bits, params.format)
+    where = f"(widths from {widths.source})"
+    if params.group_size == "auto":
+        return [] if fits else [f"group_size: auto: {advice('auto', fits)} {where}"]
+    bad = shape_problems(shapes, widths.num_layers, params.bits, params.group_size, params.format)
+    if not bad or params.on_bad_group == "fallback":
+        return []
+    tail = f"; {advice(params.group_size, fits)} {where}"
+    return [f"group_size: {line}{tail}" for line in summarize(bad, widths.num_layers)]
+
+
+def _stage(name: str, params: type, entry: str, description: str) -> StageDef:
+    return StageDef(name, params, entry, description, check_widths="quantize.stages:check_widths")
+
+
 STAGES: dict[str, StageDef] = {
-    "awq": StageDef(
+    "awq": _stage(
         "quantize.awq", AWQParams, "quantize.run:run_awq", "AWQ 4-bit weight quantization (CPU or GPU), layer by layer"
     ),
-    "gptq": StageDef(
+    "gptq": _stage(
         "quantize.gptq",
         GPTQParams,
         "quantize.run:run_gptq",
         "GPTQ 4-bit weight quantization (CPU or GPU), layer by layer",
     ),
-    "rtn": StageDef(
+    "gguf": StageDef(
+        "quantize.gguf",
+        GGUFParams,
+        "quantize.gguf_run:run_gguf",
+        "llama.cpp GGUF (F16 and quantized types) and an Ollama Modelfile, checked against serve",
+    ),
+    "rtn": _stage(
         "quantize.rtn", RTNParams, "quantize.run:run_rtn", "round-to-nearest weight quantization (the baseline)"
     ),
 }

@@ -216,6 +216,13 @@ def evaluate_base(ctx: StageContext, p: BootstrapParams, model: Any, tokenizer: 
     return out
 
 
+def widths(p: BootstrapParams, _input: Any) -> Any:
+    """The built model's widths, from the parameters (planning-time, see ``warsha.widths``)."""
+    from warsha.widths import from_sizes
+
+    return from_sizes("llama", p, "bootstrap params")
+
+
 STAGE = StageDef(
     name="bootstrap",
     params=BootstrapParams,
@@ -223,4 +230,5 @@ STAGE = StageDef(
     description="train the small default Llama base model on the corpus (no download)",
     inputs=(),
     training=True,
+    widths="warsha.bootstrap:widths",
 )

@@ -179,9 +179,36 @@ def parse_recipe(data: dict[str, Any], source: str = "recipe") -> Recipe:
         problems += _check_entry(entry, i, sdef.inputs, seen, recipe, sdef.optional_inputs)
         seen[entry.key] = i
     problems += _check_base(recipe)
+    if not problems:
+        problems += check_widths(recipe)
     if problems:
         raise RecipeError(problems, source)
     return recipe
+
+
+def check_widths(recipe: Recipe) -> list[str]:
+    """Walk the model widths through the stages (``warsha.widths``) and collect every stage's
+    objection to its input's widths, so that a group size that cannot divide a model's linears
+    fails here and not after the stages before it have run."""
+    from warsha.registry import get_stage
+    from warsha.stage import named_function
+    from warsha.widths import Widths, from_model_dir
+
+    by_key: dict[str, Widths | None] = {}
+    prev = from_model_dir(Path(recipe.base)) if recipe.base != "bootstrap" else None
+    problems: list[str] = []
+    for i, (entry, params) in enumerate(zip(recipe.stages, recipe.resolved, strict=True)):
+        sdef = get_stage(entry.stage)
+        ref = entry.inputs.get("model")
+        w_in = prev if ref is None else (by_key[ref] if ref in by_key else from_model_dir(Path(ref)))
+        if sdef.check_widths and w_in is not None:
+            problems += [f"stages[{i}].params.{p}" for p in named_function(sdef.check_widths)(params, w_in)]
+        if sdef.widths:
+            prev = named_function(sdef.widths)(params, w_in)
+        else:
+            prev = w_in if "model" in sdef.inputs else None
+        by_key[entry.key] = prev
+    return problems
 
 
 def _check_entry(

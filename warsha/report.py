@@ -121,10 +121,26 @@ def run_plots(artifacts: list[tuple[Path, dict[str, Any]]], plots_dir: Path, run
     from warsha.report_plots import plot_quant_summary
 
     lines = []
-    for title, png, note in plot_quant_summary([(d.name, m) for d, m in artifacts], plots_dir):
+    named = [(d.name, m) for d, m in artifacts]
+    for title, png, note in plot_quant_summary(named, plots_dir):
         if png is not None or any(m.get("stage", "").startswith("quantize.") for _, m in artifacts):
             lines += [f"## {title}", "", f"![{title}]({png.relative_to(run_dir)})" if png else f"_{note}_", ""]
+            lines += quant_table(named) if png is not None else []
     return lines
+
+
+def quant_table(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The quantization plot's figures as a table: perplexity per language, size in MiB."""
+    from warsha.report_plots import quant_rows
+
+    rows = quant_rows(named)
+    langs = sorted({lang for ppl, _ in rows.values() for lang in ppl})
+    out = ["| method | " + " | ".join(f"ppl {lang}" for lang in langs) + " | MiB |", "|---" * (len(langs) + 2) + "|"]
+    for label, (ppl, size) in rows.items():
+        cells = [f"{ppl[lang]:.3f}" if lang in ppl else "" for lang in langs]
+        mib = f"{size / 2**20:.1f}" if size else ""
+        out.append(f"| {label} | " + " | ".join(cells) + f" | {mib} |")
+    return out + [""]
 
 
 def write_report(run_dir: Path) -> Path:

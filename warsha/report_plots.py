@@ -190,6 +190,19 @@ def quant_rows(manifests: list[tuple[str, dict[str, Any]]]) -> dict[str, tuple[d
         rows.setdefault("rtn", (ppl("rtn"), None))
         method = str(metrics.get("method", name))
         rows[method if method == name else f"{method} ({name})"] = (ppl("quantized"), metrics.get("size_bytes"))
+    for _, m in manifests:
+        if m.get("stage") == "quantize.gguf" and _model_input(m) == main:
+            rows.update(gguf_rows(m.get("metrics", {})))
+    return rows
+
+
+def gguf_rows(metrics: dict[str, Any]) -> dict[str, tuple[dict[str, float], float | None]]:
+    """One row per llama.cpp type of a ``quantize.gguf`` stage (``GGUF Q4_K_M``): perplexity
+    per language on the same held-out windows as the other methods, and the file's size."""
+    rows: dict[str, tuple[dict[str, float], float | None]] = {}
+    for name, t in (metrics.get("types") or {}).items():
+        ppl = {lang: v["perplexity"] for lang, v in t.items() if isinstance(v, dict) and "perplexity" in v}
+        rows[f"GGUF {name}"] = (ppl, t.get("size_bytes"))
     return rows
 
 

@@ -35,6 +35,13 @@ class StageDef:
     from nothing (``bootstrap``). ``optional_inputs`` are roles a recipe may map; when mapped
     they are hashed into the skip decision like any input. ``training`` stages get a resumable
     checkpoint directory.
+
+    ``widths`` and ``check_widths`` are optional ``"module:function"`` hooks run at planning
+    (light imports only, see ``warsha.widths``): ``widths(params, input_widths)`` gives the
+    output model's widths for a stage that changes them (default: a stage with a ``model``
+    input passes its widths through; one without knows none), and
+    ``check_widths(params, input_widths)`` returns ``"field: problem"`` lines for widths the
+    stage cannot handle, so the recipe fails before any stage runs.
     """
 
     name: str
@@ -45,6 +52,8 @@ class StageDef:
     optional_inputs: tuple[str, ...] = ()
     training: bool = False
     uses_data: bool = True
+    widths: str = ""
+    check_widths: str = ""
 
     def run(self, ctx: "StageContext", params: Any) -> dict[str, Any]:
         """Import the entry point and run it."""
@@ -52,8 +61,13 @@ class StageDef:
 
     def entry_point(self) -> Callable[["StageContext", Any], dict[str, Any]]:
         """The function named by ``entry``."""
-        module, _, func = self.entry.partition(":")
-        return getattr(importlib.import_module(module), func)
+        return named_function(self.entry)
+
+
+def named_function(spec: str) -> Callable[..., Any]:
+    """The function a ``"module:function"`` string names (imported now)."""
+    module, _, func = spec.partition(":")
+    return getattr(importlib.import_module(module), func)
 
 
 @dataclass

@@ -22,6 +22,7 @@ def test_registry_and_fast_import() -> None:
         "awq": "quantize.awq",
         "gptq": "quantize.gptq",
         "rtn": "quantize.rtn",
+        "gguf": "quantize.gguf",
     }
     code = "import sys, quantize.stages; print(any(m == 'torch' or m.startswith('transformers') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -31,7 +32,7 @@ def test_registry_and_fast_import() -> None:
 def test_params_report_every_problem() -> None:
     problems: list[str] = []
     from_dict(AWQParams, {"bits": 3, "group_size": 100, "on_bad_group": "skip"}, "stages[5].params", problems)
-    assert "stages[5].params.group_size: must be a multiple of 8, got 100" in problems
+    assert "stages[5].params.group_size: must be 'auto' or a multiple of 8 >= 8, got 100" in problems
     assert any(p.startswith("stages[5].params.on_bad_group: must be one of 'error' | 'fallback'") for p in problems)
     problems = []
     from_dict(AWQParams, {"bits": 3}, "p", problems)
@@ -125,3 +126,34 @@ def test_export_carries_the_files_serving_reads(tmp_path: Path) -> None:
         (src / name).write_text("{}")
     assert copy_side_files(src, out) == ["draft_vocab.json", "tokenizer.json", "tokenizer_config.json"]
     assert sorted(p.name for p in out.iterdir()) == ["draft_vocab.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_export_keeps_unquantized_tensors_in_the_serving_dtype(make_ctx: Any) -> None:
+    """bfloat16 by default (recorded in the manifest and config.json); serve and transformers
+    (through the dequantizing reader) load it and agree on greedy tokens in float32."""
+    import torch
+
+    from quantize.dequant import load_dequantized, read_safetensors
+    from serve.engine import LLM
+    from serve.sampler import SamplingParams
+
+    ctx = make_ctx(name="bf16")
+    m = STAGES["rtn"].run(ctx, RTNParams(**SMALL))
+    wide = make_ctx(name="f32")
+    m32 = STAGES["rtn"].run(wide, RTNParams(**SMALL, save_dtype="auto"))
+    assert (m["save_dtype"], m32["save_dtype"]) == ("bfloat16", "float32")
+    assert json.loads((ctx.out_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    tensors = read_safetensors(ctx.out_dir)
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert tensors["model.norm.weight"].dtype == torch.bfloat16
+    float_bytes = sum(t.numel() for n, t in tensors.items() if t.dtype == torch.bfloat16) * 2
+    saved = m32["size_bytes"] - m["size_bytes"]
+    assert abs(saved - float_bytes) < 256  # the float tensors, half as wide (up to the header's text)
+    prompts = [[0, 5 + i, 40 + 3 * i, 200 + i] for i in range(3)]
+    engine = LLM(ctx.out_dir, dtype="float32", int4_activations="float")
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ref = load_dequantized(ctx.out_dir, torch.float32)
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            ids = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+            assert out.token_ids == ids[0, len(prompt) :].tolist()

@@ -88,6 +88,19 @@ def test_adaptation_latency_and_quantization_summary_plots(tmp_path: Path) -> No
     }
     rows = quant_rows([("gptq", on_yarn), ("awq", awq), ("draft_q4", draft_q4)])
     assert list(rows) == ["unquantized", "rtn", "gptq", "awq"]  # the draft's own quantization stays off this axis
+    types = {
+        name: {"size_bytes": size, "ar": {"perplexity": 10.5}, "file": "f"}
+        for name, size in (("F16", 80), ("Q4_K_M", 9))
+    }
+    gguf = {"stage": "quantize.gguf", "inputs": on_yarn["inputs"], "metrics": {"types": types}}
+    rows = quant_rows([("gptq", on_yarn), ("gguf", gguf)])
+    assert list(rows) == ["unquantized", "rtn", "gptq", "GGUF F16", "GGUF Q4_K_M"]
+    assert rows["GGUF Q4_K_M"] == ({"ar": 10.5}, 9)
+    from warsha.report import quant_table
+
+    table = quant_table([("gptq", on_yarn), ("gguf", gguf)])
+    assert table[0] == "| method | ppl ar | ppl en | MiB |"
+    assert "| GGUF Q4_K_M | 10.500 |  | 0.0 |" in table and "| rtn | 10.000 | 12.000 |  |" in table
 
 
 def test_chat_section_shows_every_artifact_and_the_answers() -> None:

@@ -100,6 +100,20 @@ def import_cli(source: str, out: Path, sha256: str | None, dtype: str) -> dict[s
     return artifacts.finalize(partial, out, manifest)
 
 
+def widths(p: ImportParams, _input: Any) -> Any:
+    """The source's widths: its GGUF header or ``config.json`` (planning-time, no weights)."""
+    from warsha.model_import.source import resolve
+    from warsha.widths import from_gguf, from_model_dir
+
+    try:
+        src = resolve(p.source.path, p.source.package, p.source.sha256)
+    except ValueError:
+        return None
+    if src.kind == "hf":
+        return from_model_dir(src.files[0])
+    return from_gguf(src.files, src.model_type, src.architecture, src.label)
+
+
 def run(ctx: StageContext, p: ImportParams) -> dict[str, Any]:
     """The stage's entry point: only the main process writes."""
     if not ctx.is_main:
@@ -114,4 +128,5 @@ STAGE = StageDef(
     description="import a pretrained model (GGUF file or package, or HF directory) as an HF directory",
     inputs=(),
     uses_data=False,
+    widths="warsha.model_import.stage:widths",
 )

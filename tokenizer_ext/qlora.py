@@ -57,7 +57,7 @@ def load(
     and the same stage inside a whole recipe would start from different adapters).
     """
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     check_shapes(model_dir)
@@ -72,6 +72,22 @@ def load(
         bnb_4bit_quant_storage=dtype,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=dtype)
+    cfg = lora_config(new_ids, tied, r, alpha, dropout, full_embeddings)
+    if seed is not None:
+        torch.manual_seed(seed)
+    peft_model = get_peft_model(model, cfg)
+    for q in peft_model.parameters():  # trainable weights in fp32; autocast (if bf16) does the math
+        if q.requires_grad:
+            q.data = q.data.float()
+    return peft_model
+
+
+def lora_config(new_ids: list[int], tied: bool, r: int, alpha: int, dropout: float, full_embeddings: bool) -> Any:
+    """peft's LoRA config of the adapt stage: every linear, plus the new embedding/head rows
+    (or the whole matrices with ``full_embeddings``). Also used on an unquantized base (the GPU
+    check's LoRA step, where bitsandbytes is not installed)."""
+    from peft import LoraConfig
+
     heads = ["embed_tokens"] if tied else ["embed_tokens", "lm_head"]
     extra: dict[str, Any] = {}
     if full_embeddings:
@@ -80,16 +96,9 @@ def load(
         extra["ensure_weight_tying"] = tied
     elif new_ids:
         extra["trainable_token_indices"] = {name: list(new_ids) for name in heads}
-    cfg = LoraConfig(
+    return LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM", **extra
     )
-    if seed is not None:
-        torch.manual_seed(seed)
-    peft_model = get_peft_model(model, cfg)
-    for q in peft_model.parameters():  # trainable weights in fp32; autocast (if bf16) does the math
-        if q.requires_grad:
-            q.data = q.data.float()
-    return peft_model
 
 
 def trained_embeddings(peft_model: Any) -> list[Any]:

@@ -93,13 +93,17 @@ def run_engine(
 
 
 def hf_greedy(model: Any, prompt_list: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers `generate`, greedy, one prompt at a time (no padding in the reference)."""
+    """transformers `generate`, greedy, one prompt at a time (no padding in the reference).
+
+    EOS neither stops nor is suppressed (the engine runs with `ignore_eos`): the generation
+    config's EOS is cleared, which `min_new_tokens` would instead mask out of the argmax."""
     device = next(model.parameters()).device
+    model.generation_config.eos_token_id = None
     out = []
     with torch.no_grad():
         for p in prompt_list:
             ids = torch.tensor([p], device=device)
-            gen = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
             out.append(gen[0, len(p) :].tolist())
     return out
 

@@ -139,6 +139,16 @@ def make_model(
     return path
 
 
+def make_tinyllama(path: Path, dtype: torch.dtype = torch.bfloat16, init_device: str = "cpu") -> Path:
+    """The TinyLlama-1.1B shape with random weights and no tokenizer: its 32k vocabulary is far
+    beyond the tiny tokenizer's, so prompts are token ids (an engine without a tokenizer never
+    detokenizes)."""
+    make_model(path, seed=11, dtype=dtype, init_device=init_device, **TINYLLAMA_SHAPE)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink(missing_ok=True)
+    return path
+
+
 def make_layer_skip_draft(target: Path, path: Path, num_layers: int = 1) -> Path:
     """A draft made of the target's first `num_layers` layers (same embeddings, head, tokenizer)."""
     from safetensors.torch import load_file, save_file

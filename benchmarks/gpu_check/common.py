@@ -36,15 +36,23 @@ class PartResult:
     skipped: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    path: Path | None = field(default=None, repr=False)  # written after every change
 
     def add(self, name: str, ok: bool, **detail: Any) -> bool:
-        """Record a check; returns `ok`."""
+        """Record a check (and save, so a part stopped at its time limit keeps what it did)."""
         self.checks.append(Check(name, PASS if ok else FAIL, detail))
+        self.save()
         return ok
 
     def skip(self, what: str, why: str) -> None:
         """Record something not run here, and why."""
         self.skipped.append({"what": what, "why": why})
+        self.save()
+
+    def save(self) -> None:
+        """Write the result so far to `path` as JSON."""
+        if self.path is not None:
+            self.path.write_text(json.dumps(self.to_json(), indent=1, default=str))
 
     @property
     def status(self) -> str:
@@ -54,7 +62,9 @@ class PartResult:
         return PASS if self.checks else SKIP
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "status": self.status}
+        out = {**asdict(self), "status": self.status}
+        out.pop("path")
+        return out
 
 
 def cuda_available() -> bool:
@@ -98,12 +108,12 @@ def part_main(name: str, body: Callable[[PartResult, argparse.Namespace], None])
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     device = "cuda" if cuda_available() else "cpu"
-    result = PartResult(name, device)
+    result = PartResult(name, device, path=args.json)
     start = time.perf_counter()
     try:
         body(result, args)
     except Exception:  # noqa: BLE001 - the report says what broke; other parts go on
         result.error = traceback.format_exc()[-4000:]
     result.seconds = round(time.perf_counter() - start, 1)
-    args.json.write_text(json.dumps(result.to_json(), indent=1, default=str))
+    result.save()
     print(f"[gpu-check] {name}: {result.status} in {result.seconds} s", flush=True)

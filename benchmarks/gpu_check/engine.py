@@ -36,12 +36,14 @@ def _workloads() -> dict[str, Any]:
 
 def build(family: str, root: Path, device: str) -> tuple[Path, Path]:
     """(target, layer-skip draft) checkpoints of `family` under `root` (built once)."""
-    from warsha.random_models import FAMILY_CONFIGS, TINYLLAMA_SHAPE, make_layer_skip_draft, make_model
+    import torch
+
+    from warsha.random_models import FAMILY_CONFIGS, make_layer_skip_draft, make_model, make_tinyllama
 
     target, draft = root / family / "target", root / family / "draft"
     if not (target / "config.json").is_file():
         if family == "tinyllama":
-            make_model(target, seed=11, init_device=device, **TINYLLAMA_SHAPE)
+            make_tinyllama(target, torch.float32, device)
         else:
             make_model(target, seed=7, **FAMILY_CONFIGS[family])
     if not (draft / "config.json").is_file():

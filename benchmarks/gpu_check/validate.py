@@ -18,6 +18,7 @@ def run(result: PartResult, args: argparse.Namespace) -> None:
     import torch
 
     from serve import LLM
+    from serve.config import ModelConfig
     from warsha.engine_check import Workload, prompts
     from warsha.random_models import make_layer_skip_draft, make_model
     from warsha.serve_validate import compare_outputs, run_interleaved
@@ -30,12 +31,13 @@ def run(result: PartResult, args: argparse.Namespace) -> None:
     draft = make_layer_skip_draft(target, args.workdir / "draft", num_layers=1)
     dtype = "bfloat16" if cuda else "float32"
     common = dict(device=result.device, dtype=dtype, num_kv_blocks=512, block_size=16)
-    ps = prompts(Workload(num_prompts=8, shared_prefix=0, suffix=4), 320, seed=5)
+    vocab = ModelConfig.from_dir(target).vocab_size
+    ps = prompts(Workload(num_prompts=4 if args.quick else 8, shared_prefix=0, suffix=4), vocab, seed=5)
     tolerance = 0.01 if dtype == "float32" else 0.0625
     for bs in ((1, 8) if cuda else (4,))[: 1 if args.quick else None]:
         engines = [LLM(target, max_num_seqs=bs, **common),
                    LLM(target, draft, max_num_seqs=bs, num_speculative_tokens=4, **common)]  # fmt: skip
-        outs, stats = run_interleaved(engines, ps, bs, 32)
+        outs, stats = run_interleaved(engines, ps, bs, 16 if args.quick else 32)
         verdict = compare_outputs(engines[0], ps, outs[0], outs[1], tolerance)
         real = verdict["mismatched_requests"] - verdict["near_tie_flips"]
         spec = stats[1]

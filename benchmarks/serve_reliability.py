@@ -72,7 +72,7 @@ EXPECTED_STATUS = {
 
 def build_model(path: Path) -> Path:
     """A tiny random Llama with a trained tokenizer (the test fixtures' builder)."""
-    from tests.serve.conftest import make_model
+    from warsha.random_models import make_model
 
     if not (path / "config.json").is_file():
         make_model(path, seed=5, max_position_embeddings=256)

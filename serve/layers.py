@@ -39,9 +39,12 @@ def fused_linear(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     int4_activations: str = "int8",
+    triton_int4: bool = False,
 ) -> Linear:
     """One linear for projections sharing an input: concatenated dense weights or int4 parts
-    (serve's AVX2 kernel and torch's int4 kernel on CPU, the Triton int4 GEMM elsewhere)."""
+    (serve's AVX2 kernel and torch's int4 kernel on CPU, the Triton int4 GEMM off the CPU or
+    when `triton_int4`: a model on the Triton attention backend, which on CPU runs under
+    Triton's interpreter, so the CUDA engine's int4 path is testable there)."""
     biases = [state.get(f"{n}.bias") for n in names]
     bias = torch.cat([b.to(dtype) for b in biases]) if all(b is not None for b in biases) else None
     if f"{names[0]}.qweight" not in state:
@@ -56,7 +59,7 @@ def fused_linear(
             f"{names[0]}.qweight found but config.json has no quantization_config; the checkpoint is inconsistent"
         )
     q = config.quant
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or triton_int4:
         from serve.triton_int4 import Int4TritonLinear
 
         return SplitLinear(
@@ -175,13 +178,14 @@ def load_layer(
     dtype: torch.dtype,
     device: torch.device | str,
     int4_activations: str,
+    triton_int4: bool = False,
 ) -> LayerWeights:
     """Fuse layer `i`'s projections and read its norms by the family's names."""
     p = f"model.layers.{i}."
     fam, eps = config.family, config.rms_norm_eps
 
     def lin(names: list[str]) -> Linear:
-        return fused_linear(state, [p + n for n in names], config, dtype, device, int4_activations)
+        return fused_linear(state, [p + n for n in names], config, dtype, device, int4_activations, triton_int4)
 
     def norm(name: str) -> Norm:
         key = f"{p}{name}.weight"

@@ -88,8 +88,10 @@ class DecoderModel:
         self.lm_head = self.embed if head is None else head.to(dtype)
         self.head = self._make_head()
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: vocabulary id of each logit column
+        triton_int4 = getattr(self.backend, "name", "") == "triton"  # Triton int4 GEMM too, also when interpreted
         self.layers = [
-            load_layer(state, i, config, dtype, self.device, int4_activations) for i in range(config.num_layers)
+            load_layer(state, i, config, dtype, self.device, int4_activations, triton_int4)
+            for i in range(config.num_layers)
         ]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
         self.rope_local = (

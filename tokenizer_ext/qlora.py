@@ -60,7 +60,7 @@ def load(
     and the same stage inside a whole recipe would start from different adapters).
     """
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     check_shapes(model_dir)
@@ -75,6 +75,32 @@ def load(
         bnb_4bit_quant_storage=dtype,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=dtype)
+    cfg = lora_config(new_ids, tied, r, alpha, dropout, full_embeddings, layers, model)
+    if seed is not None:
+        torch.manual_seed(seed)
+    peft_model = get_peft_model(model, cfg)
+    for q in peft_model.parameters():  # trainable weights in fp32; autocast (if bf16) does the math
+        if q.requires_grad:
+            q.data = q.data.float()
+    return peft_model
+
+
+def lora_config(
+    new_ids: list[int],
+    tied: bool,
+    r: int,
+    alpha: int,
+    dropout: float,
+    full_embeddings: bool,
+    layers: list[int] | None = None,
+    model: Any = None,
+) -> Any:
+    """peft's LoRA config of the adapt stage: every linear (of ``layers`` only, when given: then
+    ``model`` names them), plus the new embedding/head rows (or the whole matrices with
+    ``full_embeddings``). Also used on an unquantized base (the GPU check's LoRA step, where
+    bitsandbytes is not installed)."""
+    from peft import LoraConfig
+
     heads = ["embed_tokens"] if tied else ["embed_tokens", "lm_head"]
     extra: dict[str, Any] = {}
     if full_embeddings:
@@ -86,23 +112,19 @@ def load(
     targets: Any = "all-linear"
     if layers is not None:  # peft takes layers_to_transform only with the modules named
         extra["layers_to_transform"] = list(layers)
-        targets = sorted(
-            {
-                n.rsplit(".", 1)[-1]
-                for n, m in model.named_modules()
-                if ".layers." in n and isinstance(m, torch.nn.Linear)
-            }
-        )
-    cfg = LoraConfig(
+        targets = decoder_linear_names(model)
+    return LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM", **extra
     )
-    if seed is not None:
-        torch.manual_seed(seed)
-    peft_model = get_peft_model(model, cfg)
-    for q in peft_model.parameters():  # trainable weights in fp32; autocast (if bf16) does the math
-        if q.requires_grad:
-            q.data = q.data.float()
-    return peft_model
+
+
+def decoder_linear_names(model: Any) -> list[str]:
+    """The names (last component) of the linear layers inside the decoder layers."""
+    import torch
+
+    return sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if ".layers." in n and isinstance(m, torch.nn.Linear)}
+    )
 
 
 def trained_embeddings(peft_model: Any) -> list[Any]:

@@ -68,9 +68,21 @@ class TritonAttentionMetadata:
     window: int = 0  # sliding window of every chunk (0: full attention)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built metadata tensor on `device`: on CUDA through pinned memory, without blocking.
+
+    A copy from pageable memory makes the host wait while the driver stages it; from pinned
+    memory it is one asynchronous DMA queued on the stream, ordered before the kernels that read
+    it, and torch's pinned allocator keeps the host buffer until the copy has finished. Never run
+    on a GPU yet (docs/gpu.md)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _int32(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
     """A host list as an int32 device tensor (the kernels index with int32 plus int64 offsets)."""
-    return torch.tensor(values, dtype=torch.int32).to(device)
+    return to_device(torch.tensor(values, dtype=torch.int32), device)
 
 
 class TritonPagedAttention:
@@ -104,7 +116,7 @@ class TritonPagedAttention:
         decode = [i for i, c in enumerate(chunks) if c.query_len == 1]
         prefill = [i for i, c in enumerate(chunks) if c.query_len > 1]
         return TritonAttentionMetadata(
-            slot_mapping=slots.to(self.device),
+            slot_mapping=to_device(slots, self.device),
             num_tokens=len(positions),
             block_size=block_size,
             decode=self._decode_plan([chunks[i] for i in decode], tables[decode]) if decode else None,
@@ -116,7 +128,7 @@ class TritonPagedAttention:
         """Index tensors of the single-token sequences."""
         return DecodePlan(
             q_rows=_int32([c.query_start for c in chunks], self.device),
-            block_tables=tables.to(torch.int32).to(self.device),
+            block_tables=to_device(tables.to(torch.int32), self.device),
             context_lens=_int32([c.context_len for c in chunks], self.device),
             max_context_len=max(c.context_len for c in chunks),
         )
@@ -125,7 +137,7 @@ class TritonPagedAttention:
         """Index tensors of the multi-token chunks and their query tiles."""
         tiles = [(i, m0) for i, c in enumerate(chunks) for m0 in range(0, c.query_len, self.block_m)]
         return PrefillPlan(
-            block_tables=tables.to(torch.int32).to(self.device),
+            block_tables=to_device(tables.to(torch.int32), self.device),
             q_starts=_int32([c.query_start for c in chunks], self.device),
             q_lens=_int32([c.query_len for c in chunks], self.device),
             context_lens=_int32([c.context_len for c in chunks], self.device),

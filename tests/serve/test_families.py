@@ -16,26 +16,7 @@ from serve import LLM, SamplingParams
 from serve.config import ModelConfig
 from serve.model import LlamaModel
 from tests.serve.conftest import hf_model, make_layer_skip_draft, make_model
-
-GEMMA_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-FAMILY_CONFIGS = {
-    "qwen3": dict(arch="qwen3", head_dim=32),
-    "gemma3": dict(
-        arch="gemma3",
-        head_dim=32,
-        num_hidden_layers=4,
-        sliding_window=16,
-        layer_types=GEMMA_LAYERS,
-        query_pre_attn_scalar=24,
-        final_logit_softcapping=30.0,
-        tie_word_embeddings=True,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-    ),
-    "mistral": dict(arch="mistral", sliding_window=16),
-}
+from warsha.random_models import FAMILY_CONFIGS
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))

@@ -11,7 +11,7 @@ import torch
 
 from serve.model import LlamaModel
 from tests.serve.conftest import hf_model, make_model
-from tests.serve.test_families import FAMILY_CONFIGS
+from warsha.random_models import FAMILY_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,0 +1,35 @@
+"""`python -m benchmarks.gpu_check --quick`: the GPU check's CPU mode runs and reports.
+
+Run as a subprocess (tests never import `benchmarks`). Without CUDA the engine part runs on the
+Triton backend under the interpreter against transformers, the training step runs on the CPU
+in bf16 against float32, serve.validate runs plain against draft, and the throughput part is
+skipped with its reason in both reports.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_quick_mode_runs_and_names_its_skips(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--quick", "--parts", "engine,train,validate,speed"]
+    proc = subprocess.run(cmd + ["--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=3600)
+    report = json.loads((out / "report.json").read_text())
+    parts = {p["part"]: p for p in report["parts"]}
+    assert proc.returncode == 0 and report["status"] == "pass", json.dumps(report, indent=1)[-4000:]
+    engine = parts["engine"]["checks"][0]
+    assert engine["status"] == "pass" and engine["detail"]["identical"] == engine["detail"]["of"] > 0
+    assert engine["detail"]["preemptions"] > 0 and engine["detail"]["prefix_hit_tokens"] > 0
+    assert all(c["status"] == "pass" for c in parts["train"]["checks"] + parts["validate"]["checks"])
+    markdown = (out / "report.md").read_text()
+    if not torch.cuda.is_available():
+        assert parts["speed"]["status"] == "skip" and parts["speed"]["skipped"][0]["why"] == "no CUDA device"
+        assert "no CUDA device" in markdown and "TinyLlama" in markdown

@@ -4,11 +4,11 @@ Everything runs side by side in one process on the same checkpoint. With no mode
 Llama-architecture models are built in-process (nothing is downloaded):
 
     # all scenarios on CPU with the default presets (takes several minutes on 2 cores)
-    .venv/bin/python benchmarks/serve_bench.py
+    .venv/bin/python -m benchmarks.serve_bench
     # a quicker pass: fewer requests, shorter outputs
-    .venv/bin/python benchmarks/serve_bench.py --quick
+    .venv/bin/python -m benchmarks.serve_bench --quick
     # real artifacts from the pipeline
-    .venv/bin/python benchmarks/serve_bench.py --model-dir runs/t/quantize --draft-dir runs/t/distill --scenarios a,b,c
+    .venv/bin/python -m benchmarks.serve_bench --model-dir runs/t/quantize --draft-dir runs/t/distill --scenarios a,b,c
 
 Scenarios:
   a) 64 requests, prompt lengths 16-512, output lengths 16-256, greedy: Warsha vs HF `generate`
@@ -50,13 +50,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from warsha.cli import quiet_environment  # noqa: E402
 
@@ -241,11 +238,11 @@ def run_warsha(
     model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """Best (highest tok/s) of REPEATS runs with a fresh engine each; the machine is shared and noisy."""
-    runs = [_run_warsha_once(model_dir, reqs, draft_dir, **kwargs) for _ in range(REPEATS)]
+    runs = [run_warsha_once(model_dir, reqs, draft_dir, **kwargs) for _ in range(REPEATS)]
     return max(runs, key=lambda r: r["tok_per_s"])
 
 
-def _run_warsha_once(
+def run_warsha_once(
     model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """Offline run of all requests at once; metrics from the engine's own statistics."""
@@ -440,15 +437,15 @@ def scenario_a(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def decode_rate(model_dir: Path, prompt: list[int], n: int, **kwargs: Any) -> float:
     """Batch-1 decode tokens/s (1 / TPOT), best of REPEATS."""
-    return max(1 / _run_warsha_once(model_dir, [(prompt, n)], **kwargs)["tpot_p50"] for _ in range(REPEATS))
+    return max(1 / run_warsha_once(model_dir, [(prompt, n)], **kwargs)["tpot_p50"] for _ in range(REPEATS))
 
 
 def hf_decode_rate(model, prompt: list[int], n: int) -> float:  # noqa: ANN001
     """Batch-1 decode tokens/s of HF generate, best of REPEATS."""
-    return max(_hf_decode_rate_once(model, prompt, n) for _ in range(REPEATS))
+    return max(hf_decode_rate_once(model, prompt, n) for _ in range(REPEATS))
 
 
-def _hf_decode_rate_once(model, prompt: list[int], n: int) -> float:  # noqa: ANN001
+def hf_decode_rate_once(model, prompt: list[int], n: int) -> float:  # noqa: ANN001
     from transformers import GenerationConfig, LogitsProcessorList
 
     clock = _Clock()

@@ -13,9 +13,11 @@ handling, so the per-document sums add up to its ``nll_nats`` (a test checks thi
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,3 +120,26 @@ def relative_increase(after: DocScores, before: DocScores) -> tuple[float, float
     n = diff.numel()
     var = float(((diff - r * t) ** 2).sum()) * n / max(n - 1, 1) / total**2
     return math.exp(r) - 1, math.exp(r) * math.sqrt(var)
+
+
+def pair(after: str, *before: str) -> dict[str, tuple[float, float]]:
+    """Relative perplexity change of result ``after`` over ``before`` (each FILE:NAME), per
+    language; several ``before`` results are averaged per document first.
+
+    ``python -m benchmarks.quant_bench --pair`` prints it. Why: llm-compressor's GPTQ is not
+    deterministic here, so one run's peer is a sample; pairing a Warsha result with the peer's
+    from several runs needs the documents, which each result keeps.
+    """
+
+    def load(spec: str) -> dict[str, DocScores]:
+        path, _, name = spec.rpartition(":")
+        result = json.loads(Path(path).read_text())["results"].get(name)
+        if result is None or "documents" not in result:
+            raise SystemExit(f"--pair: {path} has no per-document scores for {name!r} (written since this option)")
+        return {lang: DocScores.from_per_document(d) for lang, d in result["documents"].items()}
+
+    if not before:
+        raise SystemExit("--pair: give the result to compare and at least one to compare it with")
+    a, bs = load(after), [load(spec) for spec in before]
+    langs = [lang for lang in a if all(lang in b for b in bs)]
+    return {lang: relative_increase(a[lang], DocScores.mean([b[lang] for b in bs])) for lang in langs}

@@ -258,10 +258,10 @@ class Trainer:
             unit="step",
         )
         for step in bar:
-            loss, n_tok = self._step(acc, model, opt, step)
+            loss, n_tok = self.train_step(acc, model, opt, step)
             losses.append(loss)
             tokens += n_tok * acc.num_processes
-            self._report(bar, step, loss, tokens / max(time.perf_counter() - t0, 1e-9))
+            self.report(bar, step, loss, tokens / max(time.perf_counter() - t0, 1e-9))
             if self.p.eval_every and ((step + 1) % self.p.eval_every == 0 or step + 1 == self.p.steps):
                 self._evaluate(acc, step + 1)
             if (step + 1) % self.p.checkpoint_every == 0 and step + 1 < self.p.steps:
@@ -293,7 +293,11 @@ class Trainer:
         self._evals.append({"step": step, **result})
         self.ctx.tracker.log({f"{self.name}/eval/{k}": v for k, v in result.items()}, step)
 
-    def _step(self, acc: Any, model: Any, opt: Any, step: int) -> tuple[float, int]:
+    def train_step(self, acc: Any, model: Any, opt: Any, step: int) -> tuple[float, int]:
+        """One optimizer step (``grad_accum`` micro-batches): its mean loss and the tokens it saw.
+
+        Public so that a measurement can time exactly the step `run` takes (benchmarks.train_bench).
+        """
         # The learning rate is a pure function of the step: nothing to save or restore.
         for group in opt.param_groups:
             group["lr"] = self.p.lr * lr_multiplier(step, self.p)
@@ -313,7 +317,8 @@ class Trainer:
             raise FloatingPointError(f"{self.name}: loss became {total} at step {step}; lower train.lr")
         return total, n_tok
 
-    def _report(self, bar: Any, step: int, loss: float, tok_s: float) -> None:
+    def report(self, bar: Any, step: int, loss: float, tok_s: float) -> None:
+        """The step's loss and rate on the progress bar, and to the tracker every ``log_every`` steps."""
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
         if (step + 1) % self.p.log_every == 0 or step + 1 == self.p.steps:
             self.ctx.tracker.log({f"{self.name}/loss": loss, f"{self.name}/tokens_per_s": tok_s}, step + 1)

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from serve import cpu_kernels
+from serve.args import HEAD_QUANTS
 from serve.attention import AttentionBackend, SeqChunk, get_backend
 from serve.config import ModelConfig
-from serve.head_quant import HEAD_QUANTS, Int8Linear
+from serve.head_quant import Int8Linear
 from serve.kv_cache import KVCache
 from serve.kv_layout import KVLayout, bind_to, layout_for
 from serve.layers import LayerWeights, Norm, activation, apply_rope, load_layer, rms_norm

@@ -66,7 +66,7 @@ def run_case(case: Case, args: argparse.Namespace, name: str) -> dict[str, Any]:
 
     from warsha.stage import StageContext
     from warsha.tracking import TrackingConfig, make_tracker
-    from warsha.training import Trainer, TrainParams, make_accelerator, make_optimizer
+    from warsha.training import AccelerateBackend, Trainer, TrainParams, make_accelerator, make_optimizer
 
     p = TrainParams(steps=10**6, batch_size=case.batch_size, seq_len=case.seq_len, lr=case.lr, warmup_steps=0,
                     checkpoint_every=10**6, log_every=10, bf16=False)  # fmt: skip
@@ -77,8 +77,8 @@ def run_case(case: Case, args: argparse.Namespace, name: str) -> dict[str, Any]:
     )  # fmt: skip
     ours_model, bare_model = case.make_model(), case.make_model()
     trainer = Trainer(ours_model, p, ctx, case.batch_fn, loss_fn=case.loss_fn, name=name)
-    acc = make_accelerator("cpu", p)
-    model, opt = acc.prepare(ours_model, make_optimizer(_trainable(ours_model), p))
+    backend = AccelerateBackend(make_accelerator("cpu", p), p)
+    model, opt = backend.prepare(ours_model, _trainable(ours_model))
     bare_opt = make_optimizer(_trainable(bare_model), p)  # the same optimizer the trainer builds
 
     losses: dict[str, list[float]] = {"trainer": [], "bare": []}
@@ -92,7 +92,7 @@ def run_case(case: Case, args: argparse.Namespace, name: str) -> dict[str, Any]:
         losses["bare"].append(float(loss.detach()))
 
     def ours_step(step: int) -> None:
-        loss, _ = trainer.train_step(acc, model, opt, step)
+        loss, _ = trainer.train_step(backend, model, opt, step)
         trainer.report(_NoBar(), step, loss, 0.0)
         losses["trainer"].append(loss)
 
@@ -122,7 +122,7 @@ def child_env(allocator: str) -> dict[str, str]:
     A parent started under tcmalloc or glibc-tuned exports its policy (``LD_PRELOAD``,
     ``MALLOC_*_``); a child that inherited it would measure the parent's policy, not its own.
     """
-    from serve.runtime import REEXEC_MARK
+    from warsha.runtime import REEXEC_MARK
 
     env = {**os.environ, "WARSHA_ALLOCATOR": allocator}
     for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", REEXEC_MARK):

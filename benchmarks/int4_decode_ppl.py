@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from serve.decode_score import decode_nll
-from serve.model import LlamaModel
+from serve.model import DecoderModel
 from serve.tokenizer import Tokenizer
 from warsha.data import DataConfig, load_corpus
 
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tok = Tokenizer(args.int4)
     models = {
-        "int4_int8_activations": LlamaModel.load(args.int4, int4_activations="int8"),
-        "int4_float_activations": LlamaModel.load(args.int4, int4_activations="float"),
-        "unquantized_bf16": LlamaModel.load(args.reference),
+        "int4_int8_activations": DecoderModel.load(args.int4, int4_activations="int8"),
+        "int4_float_activations": DecoderModel.load(args.int4, int4_activations="float"),
+        "unquantized_bf16": DecoderModel.load(args.reference),
     }
     report: dict[str, dict[str, float]] = {}
     for lang in args.langs.split(","):

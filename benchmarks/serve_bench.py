@@ -64,7 +64,7 @@ import torch  # noqa: E402
 from serve import LLM, SamplingParams, cpu_kernels  # noqa: E402
 from serve.attention import SeqChunk  # noqa: E402
 from serve.cpu import bf16_matmul_is_fast  # noqa: E402
-from serve.model import ForwardBatch, LlamaModel  # noqa: E402
+from serve.model import DecoderModel, ForwardBatch  # noqa: E402
 from serve.stats import percentile  # noqa: E402
 from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab  # noqa: E402
 
@@ -187,7 +187,7 @@ def quantize_rtn_gptq(src: Path, dst: Path, group_size: int = 128) -> Path:
     return dst
 
 
-def dequantized_reference(int4_dir: Path) -> LlamaModel:
+def dequantized_reference(int4_dir: Path) -> DecoderModel:
     """float32 model holding exactly the GPTQ checkpoint's dequantized weights (isolates the kernel)."""
     import dataclasses
 
@@ -202,7 +202,7 @@ def dequantized_reference(int4_dir: Path) -> LlamaModel:
         state[f"{m}.weight"] = gptq_dequantize(
             state.pop(name), state.pop(f"{m}.qzeros"), state.pop(f"{m}.scales"), state.pop(f"{m}.g_idx")
         )
-    return LlamaModel(dataclasses.replace(cfg, quant=None), state, torch.float32)
+    return DecoderModel(dataclasses.replace(cfg, quant=None), state, torch.float32)
 
 
 def hf_load(path: Path, dtype: torch.dtype = torch.bfloat16):  # noqa: ANN201
@@ -467,7 +467,7 @@ def scenario_b(small_dir: Path, int4_dirs: dict[str, Path], args: argparse.Names
         int4_dir = quantize_rtn_gptq(bf16_dir, bf16_dir.parent / (bf16_dir.name + "-gptq"))
         ref = dequantized_reference(int4_dir).prefill_logits(prompt[:16])
         for act in ("int8", "float"):  # decode rows: activations quantized per 32 features, or float32
-            model = LlamaModel.load(int4_dir, int4_activations=act)
+            model = DecoderModel.load(int4_dir, int4_activations=act)
             got = torch.stack([decode_logits(model, prompt[: 8 + i]) for i in range(8)])
             res[f"{preset}_int4_{act}_decode_logits_rel_error_vs_dequantized_fp32"] = float(
                 (got - ref[7:15]).norm() / ref[7:15].norm()
@@ -478,7 +478,7 @@ def scenario_b(small_dir: Path, int4_dirs: dict[str, Path], args: argparse.Names
     return res
 
 
-def decode_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def decode_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     """Logits of the last of `ids` computed as a one-row decode step (the path batch-1 decode runs)."""
     bs = 16
     blocks = -(-len(ids) // bs)
@@ -497,7 +497,7 @@ def decode_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     return model.forward(step, kv)[0]
 
 
-def forward_seconds(model: LlamaModel, batch: int, context: int, repeats: int = 5) -> float:
+def forward_seconds(model: DecoderModel, batch: int, context: int, repeats: int = 5) -> float:
     """Time of one decode forward of `batch` sequences at `context` tokens (scratch cache)."""
     bs = 16
     blocks = -(-context // bs)
@@ -514,7 +514,7 @@ def forward_seconds(model: LlamaModel, batch: int, context: int, repeats: int = 
 def scenario_c(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     n = 32 if args.quick else 96
     k = args.num_spec_tokens
-    target, draft = LlamaModel.load(target_dir), LlamaModel.load(draft_dir)
+    target, draft = DecoderModel.load(target_dir), DecoderModel.load(draft_dir)
     if (draft_dir / DRAFT_VOCAB_FILE).is_file():  # time the draft as the engine runs it
         draft.restrict_head(read_draft_vocab(draft_dir / DRAFT_VOCAB_FILE))
     res: dict[str, Any] = {"k": k, "new_tokens": n, "batches": {}, "draft_head_rows": int(draft.lm_head.shape[0])}

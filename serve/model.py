@@ -28,7 +28,7 @@ from serve.quant import DenseLinear
 from serve.rope import RotaryEmbedding
 from serve.weights import load_state_dict
 
-__all__ = ["DecoderModel", "ForwardBatch", "LlamaModel", "LayerWeights", "resolve_dtype", "rms_norm"]
+__all__ = ["DecoderModel", "ForwardBatch", "LayerWeights", "resolve_dtype", "rms_norm"]
 INT4_ACTIVATIONS = ("int8", "float")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -260,6 +260,3 @@ class DecoderModel:
             logits_indices=torch.arange(n),
         )
         return self.forward(batch, kv).float()
-
-
-LlamaModel = DecoderModel  # the name the engine and tests have used since the Llama-only forward

@@ -2,8 +2,8 @@
 
 ``python -m benchmarks.train_bench`` and ``python -m benchmarks.lm_loss_bench`` time these steps
 (``warsha.train_overhead``). This is the one core module that reaches into the stage packages
-(it builds each stage's model the way the stage does); nothing in the core imports it, so no
-cycle follows (tests/test_layout.py).
+(it builds each stage's model the way the stage does); only ``warsha.train_overhead`` imports
+it, and nothing imports that, so no cycle follows (tests/test_layout.py).
 
 Each case mirrors what the demo recipe (``recipes/arabic-tiny.yaml``) trains, on random weights
 and random token ids (throughput does not depend on what the tokens say):

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]  # this checkout, where results go
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # the default thread pool oversubscribes 2 cores
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

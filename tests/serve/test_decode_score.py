@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serve.decode_score import decode_nll
-from serve.model import LlamaModel
+from serve.model import DecoderModel
 from tests.serve.conftest import hf_model, make_model
 from tests.serve.test_families import FAMILY_CONFIGS
 
@@ -18,7 +18,7 @@ from tests.serve.test_families import FAMILY_CONFIGS
 def test_decode_nll_matches_transformers_full_sequence(tmp_path: Path, arch: str) -> None:
     config = FAMILY_CONFIGS.get(arch, {"arch": arch})
     path = make_model(tmp_path / arch, seed=3, **config)
-    ours = LlamaModel.load(path, "float32")
+    ours = DecoderModel.load(path, "float32")
     ids = [1] + torch.randint(3, ours.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():  # 40 tokens: past Gemma's 16-token window
         logits = hf_model(path)(torch.tensor([ids])).logits[0].double()

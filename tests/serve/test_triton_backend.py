@@ -39,8 +39,8 @@ def test_cpu_serving_never_imports_triton(tiny_dir: Path) -> None:
     """`import serve`, the engine module and a CPU model forward leave triton unimported."""
     code = (
         "import sys, serve, serve.engine, serve.attention\n"
-        "from serve.model import LlamaModel\n"
-        "m = LlamaModel.load(sys.argv[1], 'float32')\n"
+        "from serve.model import DecoderModel\n"
+        "m = DecoderModel.load(sys.argv[1], 'float32')\n"
         "assert m.backend.name == 'torch'\n"
         "assert m.prefill_logits([3, 4, 5, 6]).isfinite().all()\n"
         "bad = sorted(k for k in sys.modules if k == 'triton' or k.startswith(('triton.', "
@@ -55,12 +55,12 @@ def test_cpu_serving_never_imports_triton(tiny_dir: Path) -> None:
 
 def test_model_forward_on_triton_backend(tiny_dir: Path) -> None:
     """Chunked prefill of two prompts then decode steps: logits equal the torch backend's."""
-    from serve.model import ForwardBatch, LlamaModel
+    from serve.model import DecoderModel, ForwardBatch
 
     device = kernel_device()
     if device.type != "cpu":
-        pytest.fail("LlamaModel keeps its weights and KV cache on CPU; this test needs the interpreter")
-    models = {name: LlamaModel.load(tiny_dir, "float32") for name in ("torch", "triton")}
+        pytest.fail("DecoderModel keeps its weights and KV cache on CPU; this test needs the interpreter")
+    models = {name: DecoderModel.load(tiny_dir, "float32") for name in ("torch", "triton")}
     models["triton"].backend = get_backend("cpu", prefer="triton", partition_size=16)
     caches = {name: m.new_kv_cache(12, 16) for name, m in models.items()}
     gen = torch.Generator().manual_seed(0)

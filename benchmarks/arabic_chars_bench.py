@@ -20,7 +20,7 @@ own distribution and is what a client gets unless it asks otherwise; and greedy,
 model's text settles into a loop within a few dozen tokens, so its letters per token are those
 of whatever phrase it happens to repeat.
 
-    .venv/bin/python benchmarks/arabic_chars_bench.py \\
+    .venv/bin/python -m benchmarks.arabic_chars_bench \\
         --base runs/arabic-gemma3-270m/import --extended runs/arabic-gemma3-270m/adapt
 
 Writes `benchmarks/results/arabic_chars_bench.json`. Never run in CI (it needs the real recipe's
@@ -31,25 +31,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import re
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenizer_ext.letter_rate import (
+    Counts,
+    bootstrap_interval,
+    letters_per_s_ratio,
+    letters_per_token_ratio,
+    mode_name,
+    parse_temperatures,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-ARABIC_LETTER = re.compile(r"[\u0621-\u064A]")
-
-
-def other_script_letters(text: str) -> int:
-    """Letters of ``text`` written in a script other than Arabic."""
-    from tokenizer_ext.script_leak import letter_script
-
-    return sum(1 for ch in text if letter_script(ch) not in (None, "ARABIC"))
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,11 +66,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS / "arabic_chars_bench.json")
     args = p.parse_args()
     try:
-        args.temperatures = [float(t) for t in args.temperatures.split(",")]
-    except ValueError:
-        p.error(f"--temperatures: {args.temperatures!r} is not a comma list of numbers, e.g. 1,0")
-    if any(t < 0 for t in args.temperatures):
-        p.error("--temperatures: a temperature is >= 0 (0 is greedy)")
+        args.temperatures = parse_temperatures(args.temperatures)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -87,53 +81,6 @@ def prompt_texts(n: int, words: int) -> list[str]:
     if len(texts) < n:
         raise SystemExit(f"--prompts: only {len(texts)} held-out Arabic documents have {2 * words} words")
     return [" ".join(t.split()[:words]) for t in texts[:n]]
-
-
-@dataclass
-class Counts:
-    """What one model generated in one decoding mode, prompt by prompt."""
-
-    tokens: list[int] = field(default_factory=list)
-    chars: list[int] = field(default_factory=list)
-    letters: list[int] = field(default_factory=list)
-    other_script: list[int] = field(default_factory=list)
-    canonical: list[int] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-
-    def add(self, text: str, tokens: int, canonical: int, seconds: float) -> None:
-        """Count one prompt's generated ``text`` (``tokens`` generated, ``canonical`` re-encoded)."""
-        self.tokens.append(tokens)
-        self.chars.append(len(text))
-        self.letters.append(len(ARABIC_LETTER.findall(text)))
-        self.other_script.append(other_script_letters(text))
-        self.canonical.append(canonical)
-        self.seconds.append(seconds)
-        self.texts.append(text)
-
-    def summary(self) -> dict[str, Any]:
-        """Tokens/s, characters and Arabic letters per token, Arabic letters/s, over all prompts."""
-        tokens, seconds = sum(self.tokens), sum(self.seconds)
-        return {
-            "generated_tokens": tokens,
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds,
-            "chars_per_token": sum(self.chars) / max(tokens, 1),
-            "arabic_letters_per_token": sum(self.letters) / max(tokens, 1),
-            "arabic_letters_per_s": sum(self.letters) / seconds,
-            # letters of other scripts (Latin, Cyrillic, CJK, ...) per letter written: fragments of
-            # other languages a sampled model drifts into, which count for nothing above
-            "other_script_letter_share": sum(self.other_script) / max(sum(self.other_script) + sum(self.letters), 1),
-            # the tokenizer's own encoding of the generated text, per generated token: below 1 the
-            # model spells words with more (shorter) pieces than the tokenizer would
-            "canonical_tokens_per_generated": sum(self.canonical) / max(tokens, 1),
-            "per_prompt": {
-                "tokens": self.tokens,
-                "letters": self.letters,
-                "seconds": self.seconds,
-                "texts": self.texts,
-            },
-        }
 
 
 class Served:
@@ -177,33 +124,6 @@ def serve_in_turns(models: dict[str, Served], n: int, temperatures: list[float])
             for name in names if turn % 2 == 0 else names[::-1]:
                 models[name].run(i, temperature)
             turn += 1
-
-
-def letters_per_s_ratio(ext: Counts, base: Counts, idx: list[int]) -> float:
-    """Extended / base Arabic letters per second over the prompts ``idx`` (repeats allowed)."""
-    ext_rate = sum(ext.letters[i] for i in idx) / sum(ext.seconds[i] for i in idx)
-    base_rate = sum(base.letters[i] for i in idx) / sum(base.seconds[i] for i in idx)
-    return ext_rate / base_rate
-
-
-def letters_per_token_ratio(ext: Counts, base: Counts) -> float:
-    """Extended / base Arabic letters per generated token: the ratio's part that does not depend
-    on timing (the same texts measured twice move letters/s by a few percent, never this)."""
-    return (sum(ext.letters) / max(sum(ext.tokens), 1)) / (sum(base.letters) / max(sum(base.tokens), 1))
-
-
-def bootstrap_interval(ext: Counts, base: Counts, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """5th and 95th percentiles of the ratio over prompts resampled with replacement (paired:
-    a prompt's two runs stay together), so the ratio's spread across prompts is visible."""
-    rng = random.Random(seed)
-    n = len(ext.letters)
-    ratios = sorted(letters_per_s_ratio(ext, base, [rng.randrange(n) for _ in range(n)]) for _ in range(draws))
-    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
-
-
-def mode_name(temperature: float) -> str:
-    """``greedy`` or ``T=<t>``: the decoding mode's label in the table and the JSON."""
-    return "greedy" if temperature == 0 else f"T={temperature:g}"
 
 
 def table(res: dict[str, Any]) -> str:

@@ -8,11 +8,11 @@ own code (``context_ext.yarn_stage.run``), so the figures are the stage's.
 CPU example (the tiny default base from ``warsha run recipes/arabic-tiny.yaml --only
 bootstrap``; about 20-40 minutes on 2 idle cores)::
 
-    .venv/bin/python benchmarks/context_bench.py --model runs/arabic-tiny/bootstrap
+    .venv/bin/python -m benchmarks.context_bench --model runs/arabic-tiny/bootstrap
 
 A quick look (fewer steps and trials; figures then carry wide intervals)::
 
-    .venv/bin/python benchmarks/context_bench.py --model runs/arabic-tiny/bootstrap \\
+    .venv/bin/python -m benchmarks.context_bench --model runs/arabic-tiny/bootstrap \\
         --steps 50 --max-trials 40 --half-width 0.15
 
 Writes ``benchmarks/results/context_bench.json`` (metrics, settings, timings) plus the
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 from warsha.cli import quiet_environment  # noqa: E402
 
 quiet_environment()  # offline, and none of the libraries' every-run warnings (as the `warsha` CLI)

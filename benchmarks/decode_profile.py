@@ -7,9 +7,9 @@ LM head and the metadata; what the timers do not cover is Python between the cal
 time is also set against the bytes they read at the measured read bandwidth (a 1 GiB float32
 sum), so each part shows how far it is from memory speed.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --threads 2
-    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --preset large --int4   # GPTQ RTN g128, int8 act
-    PYTHONPATH=. .venv/bin/python benchmarks/decode_profile.py --model runs/arabic-gemma3-270m/import \
+    .venv/bin/python -m benchmarks.decode_profile --preset large --threads 2
+    .venv/bin/python -m benchmarks.decode_profile --preset large --int4   # GPTQ RTN g128, int8 act
+    .venv/bin/python -m benchmarks.decode_profile --model runs/arabic-gemma3-270m/import \
         --int4-model runs/arabic-gemma3-270m/q4      # a real checkpoint (and its GPTQ int4 one) instead
 
 Prints a table; writes benchmarks/results/decode_profile-<time>.json.
@@ -25,12 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import serve_bench as sb  # noqa: I001  (puts the repo root on sys.path)
 import torch
-from peers import roofline as rl
 
 import serve.model as sm
+from benchmarks import serve_bench as sb
 from serve import LLM, SamplingParams
+from serve import roofline as rl
 
 
 class Timers:

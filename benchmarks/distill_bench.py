@@ -13,10 +13,10 @@ their speed on this CPU is put beside the target decoding alone.
 CPU examples (one intra-op thread: on a shared 2-core machine it was 3-40x faster)::
 
     # a target: the pipeline's output, or train a small one here (bootstrap recipe, 50% Arabic)
-    .venv/bin/python benchmarks/distill_bench.py target --out /tmp/distill_target --steps 240
-    .venv/bin/python benchmarks/distill_bench.py run --target /tmp/distill_target --steps 150
+    .venv/bin/python -m benchmarks.distill_bench target --out /tmp/distill_target --steps 240
+    .venv/bin/python -m benchmarks.distill_bench run --target /tmp/distill_target --steps 150
     # a narrow draft (hidden 64, projected embeddings) with its own same-size baseline
-    .venv/bin/python benchmarks/distill_bench.py run --target /tmp/distill_target --losses \
+    .venv/bin/python -m benchmarks.distill_bench run --target /tmp/distill_target --losses \
         --config-hidden 64 --tag narrow
 
 Prints a table and writes ``benchmarks/results/distill_bench.json``. Never run in CI.

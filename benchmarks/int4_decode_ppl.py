@@ -10,7 +10,7 @@ one process, for:
 - the same checkpoint with float32 activations,
 - the unquantized model it was made from (bf16, serve's own kernels).
 
-    .venv/bin/python benchmarks/int4_decode_ppl.py --int4 runs/arabic-tiny/gptq --reference runs/arabic-tiny/yarn
+    .venv/bin/python -m benchmarks.int4_decode_ppl --int4 runs/arabic-tiny/gptq --reference runs/arabic-tiny/yarn
 
 Prints perplexity per language and the int8/float ratio; writes
 benchmarks/results/int4_decode_ppl-<time>.json. A few minutes on the demo model.
@@ -21,37 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from serve.attention import SeqChunk  # noqa: E402
-from serve.model import ForwardBatch, LlamaModel  # noqa: E402
-from serve.tokenizer import Tokenizer  # noqa: E402
-from warsha.data import DataConfig, load_corpus  # noqa: E402
+from serve.decode_score import decode_nll
+from serve.model import DecoderModel
+from serve.tokenizer import Tokenizer
+from warsha.data import DataConfig, load_corpus
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def decode_nll(model: LlamaModel, ids: list[int], block_size: int = 16) -> float:
-    """Summed next-token NLL (nats) of `ids`, every position computed as a one-row decode step.
-
-    Each KV block group (Gemma 3's sliding and full layers keep separate blocks) gets its own
-    table over a disjoint range of the pool."""
-    blocks = -(-len(ids) // block_size)
-    groups = max(model.kv_layout.layer_group) + 1
-    kv, total = model.new_kv_cache(blocks * groups, block_size), 0.0
-    tables = [list(range(g * blocks, (g + 1) * blocks)) for g in range(groups)]
-    for pos in range(len(ids) - 1):
-        chunk = SeqChunk(0, 1, pos + 1, tables[0], tuple(tables[1:]))
-        step = ForwardBatch(torch.tensor([ids[pos]]), torch.tensor([pos]), [chunk], torch.tensor([0]))
-        logits = model.forward(step, kv)[0].double()
-        total += float(torch.logsumexp(logits, 0) - logits[ids[pos + 1]])
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tok = Tokenizer(args.int4)
     models = {
-        "int4_int8_activations": LlamaModel.load(args.int4, int4_activations="int8"),
-        "int4_float_activations": LlamaModel.load(args.int4, int4_activations="float"),
-        "unquantized_bf16": LlamaModel.load(args.reference),
+        "int4_int8_activations": DecoderModel.load(args.int4, int4_activations="int8"),
+        "int4_float_activations": DecoderModel.load(args.int4, int4_activations="float"),
+        "unquantized_bf16": DecoderModel.load(args.reference),
     }
     report: dict[str, dict[str, float]] = {}
     for lang in args.langs.split(","):

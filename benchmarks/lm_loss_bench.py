@@ -1,6 +1,6 @@
 """The fused LM head + cross-entropy (``warsha.lm_loss``) against the unfused path it replaced.
 
-For the bootstrap and YaRN fine-tune steps of ``train_cases.py`` (the stages whose head is a plain
+For the bootstrap and YaRN fine-tune steps of ``warsha.train_cases`` (the stages whose head is a plain
 weight; QLoRA's peft-wrapped head keeps the model's forward), two identical models train on the
 same batches, one with each loss, their steps alternating in one process so that a change of
 machine load hits both. The unfused path is what transformers does: logits for every scored row,
@@ -9,7 +9,7 @@ speed-up, the largest loss difference over the run, and each loss's peak residen
 steps measured in a child process of its own (``VmHWM`` above the model's baseline).
 Results go to ``benchmarks/results/lm_loss_bench-<tag>.json``.
 
-    python benchmarks/lm_loss_bench.py --steps 9
+    python -m benchmarks.lm_loss_bench --steps 9
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from warsha import runtime  # noqa: E402
-from warsha.cli import quiet_environment  # noqa: E402
+from warsha import runtime
+from warsha.cli import quiet_environment
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 CASES = ("bootstrap", "yarn")
 LOSSES = ("unfused", "fused")
 
@@ -56,7 +55,8 @@ def loss_fn(name: str) -> Any:
 def time_case(case_name: str, steps: int) -> dict[str, Any]:
     """Both losses on one case, steps alternating (the order flips every step)."""
     import torch
-    import train_cases
+
+    from warsha import train_cases
 
     case = train_cases.CASES[case_name](argparse.Namespace(steps=steps))
     models = {n: case.make_model() for n in LOSSES}
@@ -96,15 +96,14 @@ def peak_memory(case_name: str, loss: str) -> float:
     from this (larger) process would start from the parent's peak.
     """
     code = (
-        "import sys, argparse; sys.path[:0] = sys.argv[3:5]; import train_cases, lm_loss_bench as b;"
+        "import sys, argparse; from warsha import train_cases; from benchmarks import lm_loss_bench as b;"
         "c = train_cases.CASES[sys.argv[1]](argparse.Namespace(steps=2)); m = c.make_model();"
         "f = b.loss_fn(sys.argv[2]);"
         "base = b.high_water_mb(); [f(m, c.batch_fn(s, 0, 0)).backward() for s in (0, 1)];"
         "print(b.high_water_mb() - base)"
     )
-    here = Path(__file__).resolve()
-    cmd = [sys.executable, "-c", code, case_name, loss, str(here.parent), str(here.parents[1])]
-    return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1])
+    cmd = [sys.executable, "-c", code, case_name, loss]
+    return float(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout.split()[-1])
 
 
 def high_water_mb() -> float:

@@ -7,7 +7,7 @@ bare AdamW loop with a cosine schedule, and scores passkey accuracy at each leng
 ``benchmarks/context_bench.py`` (which also runs every baseline). Nothing is written; the
 accuracies are printed. Example (the run behind the README's yarn row)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/passkey_probe.py --model runs/arabic-tiny/bootstrap \
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.passkey_probe --model runs/arabic-tiny/bootstrap \
         --steps 120 --trials 20 --lengths 256,1024,2048 --lang en --copy 0.4 --retr 0.4 --curr 0.5 \
         --lmpos 0.25 --lr 1e-3 --eval-every 60
 """
@@ -15,11 +15,9 @@ accuracies are printed. Example (the run behind the README's yarn row)::
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -11,13 +11,13 @@ llm-compressor runs in its own venv (it pins transformers 5.17): ``benchmarks/pe
 make_venv.sh`` creates ``/work/venvs/peers``; this script sends it the calibration rows, it
 writes each quantized model as plain float weights, and they are scored here. With
 ``--peer-load`` the Warsha GPTQ and AWQ exports are also loaded by GPTQModel in that venv
-(``benchmarks/peers/gptqmodel_load.py``) and its logits compared with Warsha's reference.
+(``python -m benchmarks.peers.gptqmodel_load``) and its logits compared with Warsha's reference.
 
 CPU, about 25-40 minutes on a shared 2-core machine (each evaluation of 2 x 300 documents on the
 19M-parameter demo model takes 3-5 minutes; quantization itself is seconds to minutes):
 
-    .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 128
-    .venv/bin/python benchmarks/quant_bench.py --model runs/arabic-tiny/yarn --group-size 64 --no-peers
+    .venv/bin/python -m benchmarks.quant_bench --model runs/arabic-tiny/yarn --group-size 128
+    .venv/bin/python -m benchmarks.quant_bench --model runs/arabic-tiny/yarn --group-size 64 --no-peers
 
 ``--methods rtn,rtn-asym,awq,awq-noclip,gptq`` adds RTN on AWQ's asymmetric grid, the
 like-for-like baseline of both AWQs (column ``vs RTN-asym``; ``rtn`` is Warsha's default,
@@ -39,14 +39,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PYTHON = Path(os.environ.get("WARSHA_PEER_PYTHON", "/work/venvs/peers/bin/python"))
 PEERS = ROOT / "benchmarks" / "peers"
@@ -87,29 +85,6 @@ def parse_args() -> argparse.Namespace:
         " e.g. --pair a.json:warsha-gptq b.json:llmcompressor-gptq c.json:llmcompressor-gptq",
     )
     return p.parse_args()
-
-
-def pair(after: str, *before: str) -> dict[str, tuple[float, float]]:
-    """Relative perplexity change of result ``after`` over ``before`` (each FILE:NAME), per
-    language; several ``before`` results are averaged per document first.
-
-    Why: llm-compressor's GPTQ is not deterministic here, so one run's peer is a sample; pairing
-    a Warsha result with the peer's from several runs needs the documents, which each result keeps.
-    """
-    from quantize.evalstats import DocScores, relative_increase
-
-    def load(spec: str) -> dict[str, DocScores]:
-        path, _, name = spec.rpartition(":")
-        result = json.loads(Path(path).read_text())["results"].get(name)
-        if result is None or "documents" not in result:
-            raise SystemExit(f"--pair: {path} has no per-document scores for {name!r} (written since this option)")
-        return {lang: DocScores.from_per_document(d) for lang, d in result["documents"].items()}
-
-    if not before:
-        raise SystemExit("--pair: give the result to compare and at least one to compare it with")
-    a, bs = load(after), [load(spec) for spec in before]
-    langs = [lang for lang in a if all(lang in b for b in bs)]
-    return {lang: relative_increase(a[lang], DocScores.mean([b[lang] for b in bs])) for lang in langs}
 
 
 def warsha_params(method: str, args: argparse.Namespace) -> Any:
@@ -210,10 +185,11 @@ def peer_load(export_dir: Path, method: str, group_size: int) -> dict[str, Any]:
     """GPTQModel loads a Warsha export; its JSON report (or the failure)."""
     out = RESULTS / f"peer_load-{method}-g{group_size}.json"
     res = subprocess.run(
-        [str(PEER_PYTHON), str(PEERS / "gptqmodel_load.py"), str(export_dir), "--out", str(out)],
+        [str(PEER_PYTHON), "-m", "benchmarks.peers.gptqmodel_load", str(export_dir), "--out", str(out)],
         text=True,
         capture_output=True,
         env={**os.environ, "GPTQMODEL_CPU_WORKERS": "2"},
+        cwd=ROOT,  # the peer venv reads quantize/ from this checkout
     )
     if not out.is_file():
         return {"error": res.stderr[-1500:]}
@@ -288,6 +264,8 @@ def main() -> None:
     runtime.apply(reexec=True)  # allocator and threads before the first tensor
     args = parse_args()
     if args.pair:
+        from quantize.evalstats import pair
+
         for lang, (inc, se) in pair(*args.pair).items():
             over = " and ".join(args.pair[1:])
             print(f"{lang}: {100 * inc:+.2f}% (s.e. {100 * se:.2f}) {args.pair[0]} over {over}")

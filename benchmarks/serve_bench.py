@@ -4,11 +4,11 @@ Everything runs side by side in one process on the same checkpoint. With no mode
 Llama-architecture models are built in-process (nothing is downloaded):
 
     # all scenarios on CPU with the default presets (takes several minutes on 2 cores)
-    .venv/bin/python benchmarks/serve_bench.py
+    .venv/bin/python -m benchmarks.serve_bench
     # a quicker pass: fewer requests, shorter outputs
-    .venv/bin/python benchmarks/serve_bench.py --quick
+    .venv/bin/python -m benchmarks.serve_bench --quick
     # real artifacts from the pipeline
-    .venv/bin/python benchmarks/serve_bench.py --model-dir runs/t/quantize --draft-dir runs/t/distill --scenarios a,b,c
+    .venv/bin/python -m benchmarks.serve_bench --model-dir runs/t/quantize --draft-dir runs/t/distill --scenarios a,b,c
 
 Scenarios:
   a) 64 requests, prompt lengths 16-512, output lengths 16-256, greedy: Warsha vs HF `generate`
@@ -50,13 +50,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from warsha.cli import quiet_environment  # noqa: E402
 
@@ -67,7 +64,7 @@ import torch  # noqa: E402
 from serve import LLM, SamplingParams, cpu_kernels  # noqa: E402
 from serve.attention import SeqChunk  # noqa: E402
 from serve.cpu import bf16_matmul_is_fast  # noqa: E402
-from serve.model import ForwardBatch, LlamaModel  # noqa: E402
+from serve.model import DecoderModel, ForwardBatch  # noqa: E402
 from serve.stats import percentile  # noqa: E402
 from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab  # noqa: E402
 
@@ -190,7 +187,7 @@ def quantize_rtn_gptq(src: Path, dst: Path, group_size: int = 128) -> Path:
     return dst
 
 
-def dequantized_reference(int4_dir: Path) -> LlamaModel:
+def dequantized_reference(int4_dir: Path) -> DecoderModel:
     """float32 model holding exactly the GPTQ checkpoint's dequantized weights (isolates the kernel)."""
     import dataclasses
 
@@ -205,7 +202,7 @@ def dequantized_reference(int4_dir: Path) -> LlamaModel:
         state[f"{m}.weight"] = gptq_dequantize(
             state.pop(name), state.pop(f"{m}.qzeros"), state.pop(f"{m}.scales"), state.pop(f"{m}.g_idx")
         )
-    return LlamaModel(dataclasses.replace(cfg, quant=None), state, torch.float32)
+    return DecoderModel(dataclasses.replace(cfg, quant=None), state, torch.float32)
 
 
 def hf_load(path: Path, dtype: torch.dtype = torch.bfloat16):  # noqa: ANN201
@@ -241,11 +238,11 @@ def run_warsha(
     model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """Best (highest tok/s) of REPEATS runs with a fresh engine each; the machine is shared and noisy."""
-    runs = [_run_warsha_once(model_dir, reqs, draft_dir, **kwargs) for _ in range(REPEATS)]
+    runs = [run_warsha_once(model_dir, reqs, draft_dir, **kwargs) for _ in range(REPEATS)]
     return max(runs, key=lambda r: r["tok_per_s"])
 
 
-def _run_warsha_once(
+def run_warsha_once(
     model_dir: Path, reqs: list[tuple[list[int], int]], draft_dir: Path | None = None, **kwargs: Any
 ) -> dict[str, Any]:
     """Offline run of all requests at once; metrics from the engine's own statistics."""
@@ -440,15 +437,15 @@ def scenario_a(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def decode_rate(model_dir: Path, prompt: list[int], n: int, **kwargs: Any) -> float:
     """Batch-1 decode tokens/s (1 / TPOT), best of REPEATS."""
-    return max(1 / _run_warsha_once(model_dir, [(prompt, n)], **kwargs)["tpot_p50"] for _ in range(REPEATS))
+    return max(1 / run_warsha_once(model_dir, [(prompt, n)], **kwargs)["tpot_p50"] for _ in range(REPEATS))
 
 
 def hf_decode_rate(model, prompt: list[int], n: int) -> float:  # noqa: ANN001
     """Batch-1 decode tokens/s of HF generate, best of REPEATS."""
-    return max(_hf_decode_rate_once(model, prompt, n) for _ in range(REPEATS))
+    return max(hf_decode_rate_once(model, prompt, n) for _ in range(REPEATS))
 
 
-def _hf_decode_rate_once(model, prompt: list[int], n: int) -> float:  # noqa: ANN001
+def hf_decode_rate_once(model, prompt: list[int], n: int) -> float:  # noqa: ANN001
     from transformers import GenerationConfig, LogitsProcessorList
 
     clock = _Clock()
@@ -470,7 +467,7 @@ def scenario_b(small_dir: Path, int4_dirs: dict[str, Path], args: argparse.Names
         int4_dir = quantize_rtn_gptq(bf16_dir, bf16_dir.parent / (bf16_dir.name + "-gptq"))
         ref = dequantized_reference(int4_dir).prefill_logits(prompt[:16])
         for act in ("int8", "float"):  # decode rows: activations quantized per 32 features, or float32
-            model = LlamaModel.load(int4_dir, int4_activations=act)
+            model = DecoderModel.load(int4_dir, int4_activations=act)
             got = torch.stack([decode_logits(model, prompt[: 8 + i]) for i in range(8)])
             res[f"{preset}_int4_{act}_decode_logits_rel_error_vs_dequantized_fp32"] = float(
                 (got - ref[7:15]).norm() / ref[7:15].norm()
@@ -481,7 +478,7 @@ def scenario_b(small_dir: Path, int4_dirs: dict[str, Path], args: argparse.Names
     return res
 
 
-def decode_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def decode_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     """Logits of the last of `ids` computed as a one-row decode step (the path batch-1 decode runs)."""
     bs = 16
     blocks = -(-len(ids) // bs)
@@ -500,7 +497,7 @@ def decode_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     return model.forward(step, kv)[0]
 
 
-def forward_seconds(model: LlamaModel, batch: int, context: int, repeats: int = 5) -> float:
+def forward_seconds(model: DecoderModel, batch: int, context: int, repeats: int = 5) -> float:
     """Time of one decode forward of `batch` sequences at `context` tokens (scratch cache)."""
     bs = 16
     blocks = -(-context // bs)
@@ -517,7 +514,7 @@ def forward_seconds(model: LlamaModel, batch: int, context: int, repeats: int = 
 def scenario_c(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     n = 32 if args.quick else 96
     k = args.num_spec_tokens
-    target, draft = LlamaModel.load(target_dir), LlamaModel.load(draft_dir)
+    target, draft = DecoderModel.load(target_dir), DecoderModel.load(draft_dir)
     if (draft_dir / DRAFT_VOCAB_FILE).is_file():  # time the draft as the engine runs it
         draft.restrict_head(read_draft_vocab(draft_dir / DRAFT_VOCAB_FILE))
     res: dict[str, Any] = {"k": k, "new_tokens": n, "batches": {}, "draft_head_rows": int(draft.lm_head.shape[0])}

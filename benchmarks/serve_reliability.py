@@ -14,8 +14,8 @@ one gets its 4xx (or, for disconnects, is aborted), 0 KV blocks are held once th
 idle, and /health's worst latency while all this runs. Prints a table; writes
 benchmarks/results/serve_reliability-<time>.json. Exit status 1 if any check fails.
 
-    .venv/bin/python benchmarks/serve_reliability.py                  # 200 streams, 10% hostile
-    .venv/bin/python benchmarks/serve_reliability.py --requests 40    # a quick pass
+    .venv/bin/python -m benchmarks.serve_reliability                  # 200 streams, 10% hostile
+    .venv/bin/python -m benchmarks.serve_reliability --requests 40    # a quick pass
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 from warsha.cli import quiet_environment  # noqa: E402
 
 quiet_environment()  # offline (the server child inherits it), no every-run library warnings

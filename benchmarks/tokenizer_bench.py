@@ -10,9 +10,9 @@ The naive peer is the Chinese-LLaMA-Alpaca ``merge_tokenizers.py`` recipe: appen
 target piece absent from the base with score 0, no reachability work.
 
 Run on CPU (about 1 minute for tokenizers; adaptation adds the training time):
-    .venv/bin/python benchmarks/tokenizer_bench.py
-    .venv/bin/python benchmarks/tokenizer_bench.py --adapt-model runs/arabic-tiny/bootstrap --steps 150
-    .venv/bin/python benchmarks/tokenizer_bench.py --from-run runs/arabic-tiny   # reuse a pipeline run
+    .venv/bin/python -m benchmarks.tokenizer_bench
+    .venv/bin/python -m benchmarks.tokenizer_bench --adapt-model runs/arabic-tiny/bootstrap --steps 150
+    .venv/bin/python -m benchmarks.tokenizer_bench --from-run runs/arabic-tiny   # reuse a pipeline run
 Writes benchmarks/results/tokenizer_bench.json and prints a table.
 """
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from context_ext import rope
+from serve import rope
 
 Method = Literal["yarn", "linear", "ntk"]
 RECORD_KEY = "warsha_context_ext"

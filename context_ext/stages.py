@@ -44,7 +44,7 @@ class YarnParams:
     train_head: bool = field(
         default=True,
         metadata=check(
-            help="false freezes an untied LM head: about 1.2x faster steps on a small model (its weight"
+            help="false freezes an untied LM head: faster steps on a small model (docs/results.md; its weight"
             " gradient is a third of the head's cost), but a base that still learns from any training"
             " loses what the head would have learnt"
         ),

@@ -1,7 +1,8 @@
 """Measurements of the drafts and the tables and plot the stage writes beside them.
 
-Every figure comes from ``warsha.speculative`` (the metric definitions the serving check uses
-too) and ``warsha.evaluate``; this file only chooses the held-out data and lays out results.
+Every figure comes from ``warsha.speculative`` and ``warsha.evaluate`` (the serving check counts
+the same quantities in ``serve/stats.py``, defined alike in docs/metrics.md); this file only
+chooses the held-out data and lays out results.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def measure(
     those ids, as serve runs them (bits per character stay over the full vocabulary).
 
     Batch-1 decoding of a small model is per-call overhead, not arithmetic: on a shared CPU a
-    second intra-op thread only adds synchronisation (measured 5-40x slower here), so the
+    second intra-op thread only adds synchronisation (measured several times slower), so the
     measurements run with ``decode_threads`` threads and restore the setting afterwards."""
     import torch
 

@@ -6,16 +6,17 @@ percent, about the size of the sampling noise of a few thousand evaluation token
 document, so the error is computed over documents, *paired* (the same documents score both
 models, which cancels most of the between-document variance).
 
-The scoring is ``warsha.evaluate.likelihood``'s, split by document: the same sliding windows
-(``warsha.evaluate.windows``) and per-window scorer (``warsha.evaluate.row_nll``), the same BOS
-handling, so the per-document sums add up to its ``nll_nats`` (a test checks this).
+The scoring is ``warsha.evaluate.likelihood``'s loop (``document_windows``, ``scored_batches``),
+split by document, so the per-document sums add up to its ``nll_nats`` (a test checks this).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,22 +83,13 @@ def doc_scores(
     desc: str = "scoring",
 ) -> DocScores:
     """Score ``texts`` (each with BOS) like ``likelihood`` does, keeping each document's sum."""
-    from warsha.evaluate import row_nll, windows
+    from warsha.evaluate import document_windows, scored_batches
 
-    stride = stride or max_length // 2
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    jobs = [(d, w) for d, doc in enumerate(ids) for w in windows(len(doc), max_length, stride)]
+    ids, jobs = document_windows(tokenizer, texts, max_length, stride)
     jobs.sort(key=lambda j: j[1][1] - j[1][0])  # similar widths together: less padding
     nll = torch.zeros(len(ids), dtype=torch.float64)
-    device = next(model.parameters()).device
-    from warsha.progress import progress
-
-    with torch.inference_mode():
-        for start in progress(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
-            batch = jobs[start : start + batch_size]
-            rows = row_nll(model, [(ids[d], w) for d, w in batch], device)
-            nll.index_add_(0, torch.tensor([d for d, _ in batch]), rows)
+    for docs, rows in scored_batches(model, ids, jobs, batch_size, desc):
+        nll.index_add_(0, torch.tensor(docs), rows)
     tokens = torch.tensor([max(len(d) - 1, 0) for d in ids], dtype=torch.int64)
     return DocScores(nll=nll, tokens=tokens, chars=sum(len(t) for t in texts))
 
@@ -118,3 +110,26 @@ def relative_increase(after: DocScores, before: DocScores) -> tuple[float, float
     n = diff.numel()
     var = float(((diff - r * t) ** 2).sum()) * n / max(n - 1, 1) / total**2
     return math.exp(r) - 1, math.exp(r) * math.sqrt(var)
+
+
+def pair(after: str, *before: str) -> dict[str, tuple[float, float]]:
+    """Relative perplexity change of result ``after`` over ``before`` (each FILE:NAME), per
+    language; several ``before`` results are averaged per document first.
+
+    ``python -m benchmarks.quant_bench --pair`` prints it. Why: llm-compressor's GPTQ is not
+    deterministic here, so one run's peer is a sample; pairing a Warsha result with the peer's
+    from several runs needs the documents, which each result keeps.
+    """
+
+    def load(spec: str) -> dict[str, DocScores]:
+        path, _, name = spec.rpartition(":")
+        result = json.loads(Path(path).read_text())["results"].get(name)
+        if result is None or "documents" not in result:
+            raise SystemExit(f"--pair: {path} has no per-document scores for {name!r} (written since this option)")
+        return {lang: DocScores.from_per_document(d) for lang, d in result["documents"].items()}
+
+    if not before:
+        raise SystemExit("--pair: give the result to compare and at least one to compare it with")
+    a, bs = load(after), [load(spec) for spec in before]
+    langs = [lang for lang in a if all(lang in b for b in bs)]
+    return {lang: relative_increase(a[lang], DocScores.mean([b[lang] for b in bs])) for lang in langs}

@@ -141,10 +141,6 @@ class BlockManager:
             seq.group_tables.append([])
         return [seq.block_table, *seq.group_tables]
 
-    def num_held_blocks(self, seq: Sequence) -> int:
-        """Blocks `seq` references over all groups (handed-back entries not counted)."""
-        return sum(1 for table in self.tables(seq) for b in table if b != NULL_BLOCK)
-
     def _key(self, group: int, block_hash: int) -> Hashable:
         """Prefix-cache key: group 0 keeps the bare chain hash (single-group models unchanged)."""
         return block_hash if group == 0 else (group, block_hash)

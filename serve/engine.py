@@ -23,7 +23,7 @@ from serve.attention.backend import get_backend
 from serve.block_manager import BlockManager, blocks_to_hold
 from serve.config import ModelConfig
 from serve.detokenizer import StopMatcher
-from serve.model import LlamaModel, resolve_dtype
+from serve.model import DecoderModel, resolve_dtype
 from serve.runner import ModelRunner, Proposal, TargetOutput
 from serve.sampler import Sampler, SamplingParams
 from serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -87,7 +87,7 @@ class LLM:
         self.tokenizer = Tokenizer(model_dir) if (Path(model_dir) / "tokenizer.json").is_file() else None
         self._device = args.device
         self._backend = get_backend(args.device, prefer=args.attention_backend)
-        target = LlamaModel.load(
+        target = DecoderModel.load(
             model_dir, torch_dtype, self._backend, args.device, args.int4_activations, args.head_quant
         )
         draft_dtype = resolve_dtype(args.draft_dtype) if args.draft_dtype else torch_dtype
@@ -132,7 +132,7 @@ class LLM:
         self._step_spec = (0, 0)
 
     # ----------------------------------------------------------------- loading
-    def _load_draft(self, draft_dir: str | Path, dtype: torch.dtype) -> LlamaModel:
+    def _load_draft(self, draft_dir: str | Path, dtype: torch.dtype) -> DecoderModel:
         """Load the draft and refuse it when its vocabulary differs from the target's."""
         draft_cfg = ModelConfig.from_dir(draft_dir)
         has_tok = (Path(draft_dir) / "tokenizer.json").is_file()
@@ -150,7 +150,7 @@ class LLM:
                 f"draft {draft_dir} has vocab_size {draft_cfg.vocab_size}, the target {self.config.vocab_size}: first "
                 f"differing id {first}; the draft must use the target's exact vocabulary"
             )
-        draft = LlamaModel.load(draft_dir, dtype, self._backend, self._device, head_quant=self._draft_head_quant())
+        draft = DecoderModel.load(draft_dir, dtype, self._backend, self._device, head_quant=self._draft_head_quant())
         vocab_file = Path(draft_dir) / DRAFT_VOCAB_FILE
         if vocab_file.is_file() and self._draft_vocab_size != 0:
             ids = read_draft_vocab(vocab_file)
@@ -185,7 +185,7 @@ class LLM:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
         return requested
 
-    def _num_blocks(self, args: EngineArgs, target: LlamaModel, draft: LlamaModel | None) -> int:
+    def _num_blocks(self, args: EngineArgs, target: DecoderModel, draft: DecoderModel | None) -> int:
         """KV blocks from an explicit count or a memory budget (capped at what max_num_seqs can use).
 
         A block holds one block group's layers (`serve.kv_layout`), in the target and the draft.

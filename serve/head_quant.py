@@ -21,8 +21,6 @@ import torch.nn.functional as F
 
 from serve import cpu_kernels
 
-HEAD_QUANTS = ("none", "int8")
-
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows and one float32 scale per row: w ~ q * scale, |q| <= 127, round to nearest."""

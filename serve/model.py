@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from serve import cpu_kernels
+from serve.args import HEAD_QUANTS
 from serve.attention import AttentionBackend, SeqChunk, get_backend
 from serve.config import ModelConfig
-from serve.head_quant import HEAD_QUANTS, Int8Linear
+from serve.head_quant import Int8Linear
 from serve.kv_cache import KVCache
 from serve.kv_layout import KVLayout, bind_to, layout_for
 from serve.layers import LayerWeights, Norm, activation, apply_rope, load_layer, rms_norm
@@ -27,7 +28,7 @@ from serve.quant import DenseLinear
 from serve.rope import RotaryEmbedding
 from serve.weights import load_state_dict
 
-__all__ = ["DecoderModel", "ForwardBatch", "LlamaModel", "LayerWeights", "resolve_dtype", "rms_norm"]
+__all__ = ["DecoderModel", "ForwardBatch", "LayerWeights", "resolve_dtype", "rms_norm"]
 INT4_ACTIVATIONS = ("int8", "float")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -261,6 +262,3 @@ class DecoderModel:
             logits_indices=torch.arange(n),
         )
         return self.forward(batch, kv).float()
-
-
-LlamaModel = DecoderModel  # the name the engine and tests have used since the Llama-only forward

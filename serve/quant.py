@@ -12,7 +12,7 @@ w = (q - 8) * scale + zero' with groups of contiguous input features. Rewriting 
 scale * (q - zero) = (q - 8) * scale + scale * (8 - zero), so zero' = scale * (8 - zero).
 Act-order checkpoints (g_idx not sorted) are served by permuting input features so each group
 becomes contiguous; the activations are permuted the same way at run time. The kernel wants
-bf16 activations (fp32 is ~40x slower), so it always runs in bf16. Where serve's own AVX2
+bf16 activations (fp32 is far slower, docs/precision.md), so it always runs in bf16. Where serve's own AVX2
 kernels build, int4 linears run on them instead, from the weight in their layout (`KERNELS.md`).
 """
 
@@ -194,11 +194,11 @@ def _mkldnn_pack(weight: torch.Tensor, allow_float32: bool = False, batch_hint: 
     """oneDNN's blocked copy of a bf16 CPU weight, or None where that path does not apply.
 
     Why: a plain bf16 `F.linear` on CPU reorders the weight into oneDNN's blocked layout on every
-    call. For small batches that copy costs more than the matmul (an LM head took about twice as
-    long per decode step as prepacked), with bit-identical results (the same
+    call. For small batches that copy costs more than the matmul (an LM head took longer per decode
+    step than prepacked), with bit-identical results (the same
     oneDNN kernel runs, only the reorder is hoisted to load time). `allow_float32` packs a
     float32 weight too: float32 models and the upcast path of bf16 ones (`DenseLinear`), where
-    oneDNN's small-batch kernel beats MKL's 1.5-3x for 2-128 rows (decode batches, verification
+    oneDNN's small-batch kernel beats MKL's for 2-128 rows (decode batches, verification
     chunks). Float32 results then differ from MKL's (transformers') in summation order only;
     vLLM's CPU backend packs its float32 weights for oneDNN the same way.
     """
@@ -223,8 +223,8 @@ class DenseLinear:
     up to cpu_kernels.MAX_ROWS rows (decode steps, verification) go through serve's AVX2 kernel
     on the bf16 weight itself (widened in registers, float32 accumulation, one bf16 rounding);
     larger batches use a float32 copy of the weight (oneDNN-prepacked up to PACKED_MAX_ROWS
-    rows, MKL above), computed the same way. The copy costs 2x the bf16 weight's memory and makes
-    prefill 2-9x faster there. On a CPU with native bf16 the weight stays oneDNN-prepacked, but up
+    rows, MKL above), computed the same way. The copy costs twice the bf16 weight's memory and makes
+    prefill several times faster there. On a CPU with native bf16 the weight stays oneDNN-prepacked, but up
     to NATIVE_BF16_KERNEL_MAX_ROWS rows go through serve's kernel when it runs its avx512_bf16
     variant (bf16 x bf16 with vdpbf16ps; same float32 accumulation and single rounding).
     A float32 weight runs serve's AVX2 kernel for up to

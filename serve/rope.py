@@ -1,9 +1,30 @@
-"""Rotary position embeddings and the scaling variants `config.json` may carry.
+"""Rotary position embeddings and the scaling variants `config.json` may carry: the one copy.
 
-Written from the formulas (RoFormer; PI; dynamic NTK; YaRN, arXiv 2309.00071; Llama 3.1's
-frequency-band rule), checked in tests against `transformers.modeling_rope_utils`. Each variant
-is (inverse frequencies, attention factor); the attention factor multiplies cos and sin, which
-is how YaRN's temperature sqrt(1/t) = 0.1 ln(s) + 1 enters the logits.
+Written from the formulas (RoFormer; PI; static and dynamic NTK; YaRN, arXiv 2309.00071; Llama
+3.1's frequency-band rule), checked in tests against `transformers.modeling_rope_utils`. Each
+variant is (inverse frequencies, attention factor); the attention factor multiplies cos and sin,
+which is how YaRN's temperature sqrt(1/t) = 0.1 ln(s) + 1 enters the logits (its square scales
+the attention logits, since it multiplies both q and k).
+
+Why our own copy of this math: serving engines disagree on YaRN's attention scaling (``mscale``
+vs ``attention_factor``) and on which length a factor multiplies, and the symptom (garbled or
+looping output at long context) shows up far from the cause. Each rule is written once, as a
+small function of plain numbers and a dtype: the engine builds its float32 table from them
+(`RotaryEmbedding`), and ``context_ext`` checks in float64 the configs it writes by recomputing
+the frequencies a loader will derive from them (`from_rope_parameters`). It lives here because
+``serve`` imports neither the core nor the stage packages, while a stage package may import
+``serve`` (docs/architecture.md).
+
+Methods:
+
+- ``linear`` (position interpolation, PI): every frequency divided by the factor s.
+- ``ntk`` static ("NTK-aware"): the base theta raised to theta * s^(d/(d-2)), so the lowest
+  frequency is interpolated by s and the highest is left alone.
+- ``dynamic`` NTK: the same with s replaced by s*L/L0 - (s-1) for the current length L > L0.
+- ``yarn`` (NTK-by-parts): per-dimension blend between interpolation and extrapolation, ramped
+  between the dimensions that rotate beta_fast=32 and beta_slow=1 times over the original
+  context, plus the temperature sqrt(1/t) = 0.1 ln(s) + 1 baked into cos/sin.
+- ``llama3``: long wavelengths scaled by 1/s, short ones kept, the band between blended.
 """
 
 from __future__ import annotations
@@ -15,6 +36,8 @@ from typing import Any
 import torch
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+YARN_BETA_FAST = 32.0
+YARN_BETA_SLOW = 1.0
 
 
 @dataclass(frozen=True)
@@ -27,8 +50,8 @@ class RopeConfig:
     max_position_embeddings: int = 2048
     original_max_position_embeddings: int | None = None
     attention_factor: float | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    beta_fast: float = YARN_BETA_FAST
+    beta_slow: float = YARN_BETA_SLOW
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
@@ -59,8 +82,8 @@ def rope_config_from_hf(cfg: dict[str, Any]) -> RopeConfig:
         max_position_embeddings=max_pos,
         original_max_position_embeddings=params.get("original_max_position_embeddings"),
         attention_factor=opt("attention_factor"),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
+        beta_fast=float(params.get("beta_fast") or YARN_BETA_FAST),
+        beta_slow=float(params.get("beta_slow") or YARN_BETA_SLOW),
         mscale=opt("mscale"),
         mscale_all_dim=opt("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
@@ -95,45 +118,158 @@ def rope_configs_by_layer_type(cfg: dict[str, Any], local_base: bool) -> dict[st
     return out
 
 
-def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
-    """theta^(-2i/dim) for i < dim/2, in float32."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def rotary_dim(head_dim: int, partial_rotary_factor: float = 1.0) -> int:
+    """Number of channels of each head that rotate (some models rotate only a fraction)."""
+    return int(head_dim * partial_rotary_factor)
 
 
-def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
-    """NTK-by-parts: interpolate low frequencies, keep high ones, ramp in between."""
-    factor = rope.factor
-    orig = rope.original_max_position_embeddings or rope.max_position_embeddings
+def default_inv_freq(dim: int, theta: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Unscaled RoPE: theta^(-2i/d) for i in [0, d/2), computed in ``dtype``."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype) / dim
+    return 1.0 / (theta**exponents)
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    attn = rope.attention_factor
-    if attn is None:
-        if rope.mscale and rope.mscale_all_dim:
-            attn = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
-        else:
-            attn = mscale(factor)
+def linear_inv_freq(
+    dim: int, theta: float, factor: float, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, float]:
+    """Position interpolation: positions squeezed by ``factor`` (same as frequencies / factor)."""
+    return default_inv_freq(dim, theta, dtype) / factor, 1.0
 
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
+def ntk_theta(theta: float, dim: int, alpha: float) -> float:
+    """The NTK-aware base: theta * alpha^(d/(d-2)) interpolates the lowest frequency by alpha."""
+    return theta * alpha ** (dim / (dim - 2))
+
+
+def ntk_inv_freq(
+    dim: int, theta: float, factor: float, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, float]:
+    """Static NTK-aware scaling: a fixed larger base, no attention scaling.
+
+    Every loader reads this as plain RoPE with ``rope_theta = ntk_theta(...)``, which is why
+    the stage writes it that way instead of relying on a rope type engines implement apart.
+    """
+    return default_inv_freq(dim, ntk_theta(theta, dim, factor), dtype), 1.0
+
+
+def dynamic_ntk_alpha(factor: float, original: int, seq_len: int | None) -> float:
+    """Dynamic NTK's effective alpha at ``seq_len``: 1 up to ``original``, then growing."""
+    length = max(seq_len or original, original)
+    return factor * length / original - (factor - 1)
+
+
+def dynamic_ntk_inv_freq(
+    dim: int, theta: float, factor: float, original: int, seq_len: int | None = None, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, float]:
+    """Dynamic NTK: the base grows with the current length beyond the original context."""
+    alpha = dynamic_ntk_alpha(factor, original, seq_len)
+    return default_inv_freq(dim, ntk_theta(theta, dim, alpha), dtype), 1.0
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's temperature term 0.1 * mscale * ln(s) + 1 (1 when there is no extension)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(
+    factor: float,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
+    attention_factor: float | None = None,
+) -> float:
+    """The factor applied to cos/sin, following the precedence real checkpoints rely on.
+
+    An explicit ``attention_factor`` wins. DeepSeek-style configs carry both ``mscale`` and
+    ``mscale_all_dim`` and mean their ratio (which is 1 when they are equal: the model then
+    applies its temperature inside attention instead). Otherwise the paper's 0.1 ln s + 1.
+    """
+    if attention_factor is not None:
+        return float(attention_factor)
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_correction_dim(rotations: float, dim: int, theta: float, original: int) -> float:
+    """The (fractional) dimension index whose wavelength fits ``rotations`` times in ``original``."""
+    return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+
+def yarn_correction_range(
+    dim: int, theta: float, original: int, beta_fast: float, beta_slow: float, truncate: bool
+) -> tuple[float, float]:
+    """Dimensions below ``low`` extrapolate (rotate fast), above ``high`` interpolate.
+
+    ``truncate`` (the default everywhere) snaps the bounds outward to whole dimensions; some
+    checkpoints (gpt-oss) set it false and keep the fractional bounds.
+    """
+    low = yarn_correction_dim(beta_fast, dim, theta, original)
+    high = yarn_correction_dim(beta_slow, dim, theta, original)
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
+    return max(low, 0), min(high, dim - 1)
+
+
+def yarn_ramp(low: float, high: float, n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """0 at and below ``low``, 1 at and above ``high``, linear between (n entries)."""
     if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolated = _base_inv_freq(rope.theta, dim)
-    interpolated = extrapolated / factor
-    keep = 1 - ramp
-    return interpolated * (1 - keep) + extrapolated * keep, float(attn)
+        high += 0.001  # a one-point ramp would divide by zero
+    return ((torch.arange(n, dtype=dtype) - low) / (high - low)).clamp(0.0, 1.0)
 
 
-def _llama3(rope: RopeConfig, dim: int) -> torch.Tensor:
-    """Scale long wavelengths by 1/factor, keep short ones, blend the band in between."""
-    inv = _base_inv_freq(rope.theta, dim)
+def yarn_inv_freq(
+    dim: int,
+    theta: float,
+    factor: float,
+    original: int,
+    beta_fast: float = YARN_BETA_FAST,
+    beta_slow: float = YARN_BETA_SLOW,
+    truncate: bool = True,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """NTK-by-parts: interpolated frequencies where the ramp is 1, original ones where it is 0.
+
+    Blended as transformers blends (through the extrapolation weight ``1 - ramp``), so that the
+    engine's float32 table is bit-identical to the one transformers computes.
+    """
+    base = default_inv_freq(dim, theta, dtype)
+    low, high = yarn_correction_range(dim, theta, original, beta_fast, beta_slow, truncate)
+    keep = 1 - yarn_ramp(low, high, dim // 2, dtype)
+    return base / factor * (1 - keep) + base * keep
+
+
+def yarn(
+    dim: int,
+    theta: float,
+    factor: float,
+    original: int,
+    beta_fast: float | None = None,
+    beta_slow: float | None = None,
+    truncate: bool | None = None,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
+    attention_factor: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, float]:
+    """YaRN frequencies and attention scaling; ``None`` (or 0) options take the paper's values."""
+    inv = yarn_inv_freq(
+        dim,
+        theta,
+        factor,
+        original,
+        beta_fast or YARN_BETA_FAST,
+        beta_slow or YARN_BETA_SLOW,
+        True if truncate is None else truncate,
+        dtype,
+    )
+    return inv, yarn_attention_factor(factor, mscale, mscale_all_dim, attention_factor)
+
+
+def llama3_inv_freq(rope: RopeConfig, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Llama 3.1's rule: scale long wavelengths by 1/factor, keep short ones, blend the band between."""
+    inv = default_inv_freq(dim, rope.theta, dtype)
     orig = rope.original_max_position_embeddings or rope.max_position_embeddings
     low_wavelen = orig / rope.low_freq_factor
     high_wavelen = orig / rope.high_freq_factor
@@ -146,27 +282,29 @@ def _llama3(rope: RopeConfig, dim: int) -> torch.Tensor:
 
 
 def inv_freq_and_attention_factor(
-    rope: RopeConfig, head_dim: int, seq_len: int | None = None
+    rope: RopeConfig, head_dim: int, seq_len: int | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the cos/sin multiplier for `rope`.
+    """Inverse frequencies [head_dim/2] and the cos/sin multiplier for `rope`, in `dtype`.
 
+    float32 (the engine's table) computes as transformers does at load time, bit for bit.
     `seq_len` matters only for dynamic NTK, which stretches the base once a sequence grows past
     max_position_embeddings (and is the identity below it).
     """
-    kind = rope.rope_type
+    kind, theta, factor = rope.rope_type, rope.theta, rope.factor
     if kind == "default":
-        return _base_inv_freq(rope.theta, head_dim), 1.0
+        return default_inv_freq(head_dim, theta, dtype), 1.0
     if kind == "linear":
-        return _base_inv_freq(rope.theta, head_dim) / rope.factor, 1.0
+        return linear_inv_freq(head_dim, theta, factor, dtype)
     if kind == "dynamic":
-        max_pos = rope.max_position_embeddings
-        length = max(seq_len or max_pos, max_pos)
-        base = rope.theta * ((rope.factor * length / max_pos) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
-        return _base_inv_freq(base, head_dim), 1.0
+        return dynamic_ntk_inv_freq(head_dim, theta, factor, rope.max_position_embeddings, seq_len, dtype)
     if kind == "yarn":
-        return _yarn(rope, head_dim)
+        orig = rope.original_max_position_embeddings or rope.max_position_embeddings
+        return yarn(
+            head_dim, theta, factor, orig, rope.beta_fast, rope.beta_slow, rope.truncate,
+            rope.mscale, rope.mscale_all_dim, rope.attention_factor, dtype,
+        )  # fmt: skip
     if kind == "llama3":
-        return _llama3(rope, head_dim), 1.0
+        return llama3_inv_freq(rope, head_dim, dtype), 1.0
     raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
 
 
@@ -205,3 +343,40 @@ class RotaryEmbedding:
                 c, s = cos_sin(inv, attn, positions[start : start + count])
                 cos[start : start + count], sin[start : start + count] = c.to(self.dtype), s.to(self.dtype)
         return cos, sin
+
+
+def from_rope_parameters(
+    params: dict[str, Any], head_dim: int, max_position_embeddings: int, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Frequencies and scaling (float64) for a transformers-5 ``rope_parameters`` dict, as loaders
+    read it: what ``context_ext`` checks the configs it writes against.
+
+    ``max_position_embeddings`` matters twice: YaRN without ``factor`` infers it from
+    max/original, and dynamic NTK measures its growth from it (so a dynamic config must keep
+    the original length there).
+    """
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", 10000.0))
+    dim = rotary_dim(head_dim, float(params.get("partial_rotary_factor", 1.0)))
+    if kind == "default":
+        return default_inv_freq(dim, theta), 1.0
+    if kind == "linear":
+        return linear_inv_freq(dim, theta, float(params["factor"]))
+    if kind == "dynamic":
+        return dynamic_ntk_inv_freq(dim, theta, float(params["factor"]), max_position_embeddings, seq_len)
+    if kind == "yarn":
+        original = int(params["original_max_position_embeddings"])
+        factor = params.get("factor") or max_position_embeddings / original
+        return yarn(
+            dim,
+            theta,
+            float(factor),
+            original,
+            params.get("beta_fast"),
+            params.get("beta_slow"),
+            bool(params.get("truncate", True)),
+            params.get("mscale"),
+            params.get("mscale_all_dim"),
+            params.get("attention_factor"),
+        )
+    raise ValueError(f"rope_type {kind!r}: not supported here (supported: default, linear, dynamic, yarn)")

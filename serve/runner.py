@@ -13,7 +13,7 @@ import torch
 
 from serve.attention import SeqChunk
 from serve.kv_cache import KVCache
-from serve.model import ForwardBatch, LlamaModel
+from serve.model import DecoderModel, ForwardBatch
 from serve.prompt_lookup import lookup
 from serve.sampler import SamplingParams, param_tensors, process_logits, sample
 from serve.scheduler import ScheduledBatch
@@ -68,9 +68,9 @@ class ModelRunner:
 
     def __init__(
         self,
-        target: LlamaModel,
+        target: DecoderModel,
         target_kv: KVCache,
-        draft: LlamaModel | None,
+        draft: DecoderModel | None,
         draft_kv: KVCache | None,
         seed: int,
         lookup_sizes: tuple[int, int] | None = None,

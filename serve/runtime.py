@@ -2,7 +2,7 @@
 
 Why: a CPU training or prefill step frees and re-allocates hundreds of MB of activations. glibc
 ``mmap``s every block above its threshold and unmaps it on free, so each step pays page faults
-and zeroing again; on the 2-core development host a third of the CPU time went to the kernel.
+and zeroing again, and a large share of the CPU time goes to the kernel (docs/stack.md).
 Three policies (``WARSHA_ALLOCATOR``):
 
 - ``tcmalloc`` (the default where ``libtcmalloc_minimal.so.4`` is installed, Debian/Ubuntu

@@ -1,9 +1,9 @@
 """How many tokens each request drafts this step: per-request acceptance and the goodput plan.
 
 Why per request: how often a draft agrees with the target depends on the text. On the real
-recipe's held-out Arabic prompts a fixed window of 4 ran some prompts 2.5x faster than plain
-decoding and others 1.5-2x slower (where the target's greedy text repeats itself in a way the
-draft does not follow); no single window, and no switch for the whole engine, serves both. So
+recipe's held-out Arabic prompts a fixed window of 4 ran some prompts much faster than plain
+decoding and others slower (where the target's greedy text repeats itself in a way the draft
+does not follow; docs/results.md has the figures); no single window, and no switch for the whole engine, serves both. So
 each request keeps its own acceptance record and gets its own window, down to 0 (plain
 decoding) for a request its draft cannot follow.
 

@@ -3,25 +3,26 @@
 Why the DeepSpeed engine directly instead of accelerate's DeepSpeed plugin: on CPU the plugin
 runs one process (and DeepSpeed's batch check then fails), while the engine trains correctly
 when launched by ``torchrun`` or ``deepspeed --num_accelerators 2`` (docs/stack.md); on GPUs the
-same engine is what the plugin would build. Everything else mirrors ``warsha.training``: the
-same cosine schedule (``lr_multiplier``), batches that are a pure function of (seed, step,
-micro-step, rank) so a resumed run sees the same data, tracker logging and a tokens/s bar.
+same engine is what the plugin would build. The loop is ``warsha.training.Trainer``'s (the
+schedule, the NaN check, logging, the result); this module holds only what differs: the config,
+the engine behind the loop's backend hook (`DeepSpeedBackend`), its checkpoints, and the
+consolidated weights at the end.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from warsha.artifacts import fsync_tree, write_json_atomic
 from warsha.precision import use_bf16
-from warsha.training import TrainParams, TrainResult, lr_multiplier
+from warsha.training import Trainer, TrainParams, TrainResult
 
 if TYPE_CHECKING:
     from warsha.stage import StageContext
@@ -80,6 +81,86 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
+def lm_loss(model: Any, batch: dict[str, Any]) -> Any:
+    """The model's own causal-LM loss: the DeepSpeed engine is called like the HF model it wraps."""
+    return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
+@dataclass
+class DeepSpeedBackend:
+    """`warsha.training.TrainBackend` on a DeepSpeed engine: what differs from accelerate.
+
+    The engine accumulates, clips and steps itself (``engine.step()`` after every micro-batch's
+    ``engine.backward``), and its checkpoints are DeepSpeed's, marked complete by rank 0's
+    ``warsha_latest.json`` once every rank has saved.
+    """
+
+    cfg: dict[str, Any]
+    engine: Any = None
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+
+        init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+
+    @property
+    def device(self) -> Any:
+        return self.engine.device
+
+    def prepare(self, model: Any, params: list[Any]) -> tuple[Any, Any]:
+        import deepspeed
+
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=self.cfg)
+        return self.engine, self.engine.optimizer
+
+    def micro_batch(self, model: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def backward(self, loss: Any) -> None:
+        self.engine.backward(loss)
+
+    def step(self, model: Any, opt: Any) -> None:
+        self.engine.step()
+
+    def save(self, root: Path, step: int, state: dict[str, Any]) -> None:
+        """Save tag ``step-N``; it counts only once every rank has saved and rank 0 has fsynced it
+        and atomically written ``warsha_latest.json`` naming it.
+
+        DeepSpeed's own ``latest`` file is written in place by rank 0 without waiting for the other
+        ranks, so a kill can leave it empty or naming a tag another rank never finished.
+        """
+        import torch.distributed as dist
+
+        tag = f"step-{step}"
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False)  # ends in a barrier
+        if self.is_main:
+            fsync_tree(root / tag)
+            write_json_atomic(root / LATEST, {"tag": tag, "step": step})
+            for old in root.glob("step-*"):
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def resume(self, root: Path) -> dict[str, Any] | None:
+        try:
+            mark = json.loads((root / LATEST).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(mark, dict) or not isinstance(mark.get("tag"), str) or not (root / mark["tag"]).is_dir():
+            return None
+        path, client = self.engine.load_checkpoint(str(root), tag=mark["tag"])
+        if path is None:
+            raise RuntimeError(
+                f"{root / mark['tag']}: DeepSpeed could not load this checkpoint; delete {root} to restart"
+            )
+        return {"step": int((client or {}).get("step", mark.get("step", 0))), "evals": (client or {}).get("evals", [])}
+
+    def finish(self, model: Any, name: str) -> Any:
+        return self.engine.module
+
+
 def train(
     model: Any,
     p: TrainParams,
@@ -88,77 +169,12 @@ def train(
     cfg: dict[str, Any],
     name: str,
 ) -> tuple[TrainResult, dict[str, Any] | None]:
-    """Train under ZeRO; return the result and, on rank 0, the full (consolidated) state dict."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from warsha.progress import progress
-
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    params = [q for q in model.parameters() if q.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
-    ckpt = ctx.checkpoint_dir / name
-    start = _resume(engine, ckpt)
-    losses: list[float] = []
-    tokens, t0 = 0, time.perf_counter()
-    bar = progress(range(start, p.steps), initial=start, total=p.steps, desc=name, disable=rank != 0, unit="step")
-    for step in bar:
-        for group in engine.optimizer.param_groups:
-            group["lr"] = p.lr * lr_multiplier(step, p)
-        total = 0.0
-        for micro in range(p.grad_accum):
-            batch = {k: v.to(engine.device) for k, v in batch_fn(step, micro, rank).items()}
-            loss = engine(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach()) / p.grad_accum
-            tokens += int(batch["input_ids"].numel()) * world
-        if not math.isfinite(total):
-            raise FloatingPointError(f"{name}: loss became {total} at step {step}; lower train.lr")
-        losses.append(total)
-        tok_s = tokens / max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tok_s:,.0f}")
-        if rank == 0 and ((step + 1) % p.log_every == 0 or step + 1 == p.steps):
-            ctx.tracker.log({f"{name}/loss": total, f"{name}/tokens_per_s": tok_s}, step + 1)
-        if (step + 1) % p.checkpoint_every == 0 and step + 1 < p.steps:
-            _save(engine, ckpt, step + 1, rank)
-    result = TrainResult(losses, tokens, time.perf_counter() - t0, start)
-    state = full_state_dict(engine, cfg)
-    return result, state if rank == 0 else None
-
-
-def _save(engine: Any, ckpt: Path, step: int, rank: int) -> None:
-    """Save tag ``step-N``; it counts only once every rank has saved and rank 0 has fsynced it
-    and atomically written ``warsha_latest.json`` naming it.
-
-    DeepSpeed's own ``latest`` file is written in place by rank 0 without waiting for the other
-    ranks, so a kill can leave it empty or naming a tag another rank never finished.
-    """
-    import torch.distributed as dist
-
-    tag = f"step-{step}"
-    engine.save_checkpoint(str(ckpt), tag=tag, client_state={"step": step}, save_latest=False)  # ends in a barrier
-    if rank == 0:
-        fsync_tree(ckpt / tag)
-        write_json_atomic(ckpt / LATEST, {"tag": tag, "step": step})
-        for old in ckpt.glob("step-*"):
-            if old.name != tag:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-
-
-def _resume(engine: Any, ckpt: Path) -> int:
-    try:
-        mark = json.loads((ckpt / LATEST).read_text())
-    except (OSError, ValueError):
-        return 0
-    if not isinstance(mark, dict) or not isinstance(mark.get("tag"), str) or not (ckpt / mark["tag"]).is_dir():
-        return 0
-    path, client = engine.load_checkpoint(str(ckpt), tag=mark["tag"])
-    if path is None:
-        raise RuntimeError(f"{ckpt / mark['tag']}: DeepSpeed could not load this checkpoint; delete {ckpt} to restart")
-    return int((client or {}).get("step", mark.get("step", 0)))
+    """Train under ZeRO (`warsha.training.Trainer` on `DeepSpeedBackend`); return the result and,
+    on rank 0, the full (consolidated) state dict."""
+    backend = DeepSpeedBackend(cfg)
+    result = Trainer(model, p, ctx, batch_fn, loss_fn=lm_loss, backend=backend, name=name).run()
+    state = full_state_dict(backend.engine, cfg)
+    return result, state if backend.is_main else None
 
 
 def full_state_dict(engine: Any, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ scored with as much context as the window allows rather than truncated.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +127,34 @@ def windows(n: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
+Window = tuple[int, int, int]
+
+
+def document_windows(
+    tokenizer: Any, texts: Sequence[str], max_length: int, stride: int | None = None
+) -> tuple[list[list[int]], list[tuple[int, Window]]]:
+    """Each text's ids (BOS first) and the (document index, window) jobs that score them."""
+    stride = stride or max_length // 2
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    return ids, [(d, w) for d, doc in enumerate(ids) for w in windows(len(doc), max_length, stride)]
+
+
+def scored_batches(
+    model: Any, ids: list[list[int]], jobs: list[tuple[int, Window]], batch_size: int, desc: str
+) -> Iterator[tuple[list[int], "torch.Tensor"]]:
+    """The one scoring loop: per batch of ``jobs``, their document indices and float64 NLL rows."""
+    import torch
+
+    from warsha.progress import progress
+
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for start in progress(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
+            batch = jobs[start : start + batch_size]
+            yield [d for d, _ in batch], row_nll(model, [(ids[d], w) for d, w in batch], device)
+
+
 def likelihood(
     model: Any,
     tokenizer: Any,
@@ -137,19 +165,8 @@ def likelihood(
     desc: str = "likelihood",
 ) -> Likelihood:
     """Score ``texts`` (each with BOS) in batched sliding windows of ``max_length``."""
-    import torch
-
-    stride = stride or max_length // 2
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    ids = [bos + x for x in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
-    jobs = [(doc, w) for doc in ids for w in windows(len(doc), max_length, stride)]
-    total = 0.0
-    device = next(model.parameters()).device
-    from warsha.progress import progress
-
-    with torch.inference_mode():
-        for start in progress(range(0, len(jobs), batch_size), desc=desc, leave=False, unit="batch"):
-            total += float(row_nll(model, jobs[start : start + batch_size], device).sum())
+    ids, jobs = document_windows(tokenizer, texts, max_length, stride)
+    total = sum(float(rows.sum()) for _, rows in scored_batches(model, ids, jobs, batch_size, desc))
     return Likelihood(
         nll_nats=total,
         tokens=sum(max(len(d) - 1, 0) for d in ids),

@@ -24,12 +24,13 @@ import resource
 from typing import Any
 
 from serve import runtime as base
-from serve.runtime import ALLOCATORS, TUNED, physical_cores
+from serve.runtime import ALLOCATORS, REEXEC_MARK, TUNED, physical_cores
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "ALLOCATORS",
+    "REEXEC_MARK",
     "TUNED",
     "RuntimeConfigError",
     "apply",

@@ -1,6 +1,6 @@
 """Stage ``serve.validate``: drive the bundled engine with the pipeline's target and draft.
 
-The one place where the core imports ``serve`` (serve never imports the core). It runs a fixed
+Where the core drives the engine (serve never imports the core). It runs a fixed
 workload of held-out target-language prompts through the engine without and with the draft,
 at each configured batch size, and records acceptance rate, mean accepted length, TTFT, TPOT,
 throughput, and whether speculative greedy output is token-identical to the target alone,
@@ -15,60 +15,55 @@ exactly those two tokens with a gap under ``tie_tolerance`` is a near-tie flip; 
 a real mismatch, and ``outputs_match`` is false only for those. The default tolerance (0.01
 nats) is set by int4 checkpoints served with int8 activations: rounding each activation to 8
 bits turns the last-bit differences of a float op into whole quantization steps whenever a
-value sits near a rounding boundary: at the one divergence in a demo run, the engine's decode and
-prefill paths differed by 1.1e-3 nats and the engine from the float64 dequantized model by
-2.7e-3 (with float activations the outputs were identical).
+value sits near a rounding boundary (docs/precision.md gives the measured gaps).
 """
 
 from __future__ import annotations
 
 import time
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from warsha.schema import check, ge
+from warsha.schema import check, convert, ge
 from warsha.stage import StageContext, StageDef
+
+if TYPE_CHECKING:
+    from serve.args import EngineArgs
+
+
+# serve.validate's own engine defaults, where they differ from EngineArgs' (what a server gets):
+ENGINE_DEFAULTS: dict[str, Any] = {
+    # float32 makes the greedy equality check exact; bf16 can flip near-ties
+    "dtype": "float32",
+    # float makes the greedy check exact for int4 targets; int8 rounds each row's activations, so
+    # float noise between a decode step and a verification chunk can flip a rounding and part the
+    # outputs (docs/precision.md)
+    "int4_activations": "float",
+    # two or three engines share this process (plain, speculative, draft alone): a smaller pool each
+    "kv_cache_memory_gb": 0.5,
+}
+SET_BY_STAGE = ("max_num_seqs",)  # each entry of batch_sizes
 
 
 @dataclass
 class ValidateParams:
-    """The fixed workload and engine settings."""
+    """The fixed workload and the engine's options.
+
+    ``engine`` holds any `serve.args.EngineArgs` option, passed to every engine the stage starts
+    (`ENGINE_DEFAULTS` where it differs from a server's defaults; ``max_num_seqs`` follows
+    ``batch_sizes``). With ``prompt_lookup_max`` > 0 the speculative engine also drafts by prompt
+    lookup and the draft alone is measured too, so the report shows what each proposer buys.
+    """
 
     num_prompts: int = field(default=16, metadata=check(ge(1)))
     prompt_tokens: int = field(default=32, metadata=check(ge(1), help="prompt length cut from held-out text"))
     max_tokens: int = field(default=64, metadata=check(ge(1)))
-    num_speculative_tokens: int = field(
-        default=4, metadata=check(ge(1), help="the draft window (the largest, with adaptive speculation)")
-    )
-    adaptive_speculation: bool = field(
-        default=True,
-        metadata=check(
-            help="the engine's default: each request drafts the window its own acceptance pays for,"
-            " down to none; false drafts num_speculative_tokens for every request at every step"
-        ),
-    )
-    prompt_lookup_max: int = field(
-        default=0,
-        metadata=check(
-            ge(0),
-            help="also draft by prompt lookup (copy what followed an earlier occurrence of the last"
-            " 2..N tokens; the draft model drafts where none is found); 0: the draft model alone. When on,"
-            " the draft alone is measured too, so the report shows what each proposer buys",
-        ),
-    )
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
-    dtype: Literal["bfloat16", "float32"] = field(
-        default="float32", metadata=check(help="float32 makes the greedy equality check exact; bf16 can flip near-ties")
+    engine: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=check(help="EngineArgs options of every engine (`python -m serve --help` lists them)"),
     )
-    int4_activations: Literal["float", "int8"] = field(
-        default="float",
-        metadata=check(
-            help="float makes the greedy check exact for int4 targets; int8 rounds each row's"
-            " activations, so float noise between a decode step and a verification chunk can flip"
-            " a rounding and part the outputs"
-        ),
-    )
-    kv_cache_memory_gb: float = field(default=0.5, metadata=check(help="KV pool size per engine"))
     tie_tolerance: float = field(
         default=1e-2,
         metadata=check(
@@ -77,8 +72,36 @@ class ValidateParams:
     )
 
     def validate(self) -> list[str]:
-        """Batch sizes must be positive."""
-        return [f"batch_sizes[{i}]: must be >= 1, got {b}" for i, b in enumerate(self.batch_sizes) if b < 1]
+        """Batch sizes must be positive; the engine block must make a valid EngineArgs."""
+        out = [f"batch_sizes[{i}]: must be >= 1, got {b}" for i, b in enumerate(self.batch_sizes) if b < 1]
+        return out + engine_problems(self.engine)
+
+    def engine_args(self, batch_size: int = 1, **override: Any) -> "EngineArgs":
+        """The engine's options at ``batch_size``: the stage's defaults, the recipe's block, ``override``."""
+        from serve.args import EngineArgs
+
+        return EngineArgs(**{**ENGINE_DEFAULTS, **self.engine, "max_num_seqs": batch_size, **override})
+
+
+def engine_problems(engine: dict[str, Any]) -> list[str]:
+    """Each problem of an ``engine:`` block, named by its key: unknown, wrong type, or invalid."""
+    from serve.args import EngineArgs
+
+    hints = typing.get_type_hints(EngineArgs)
+    problems: list[str] = []
+    for key, value in engine.items():
+        if key in SET_BY_STAGE:
+            problems.append(f"engine.{key}: set by batch_sizes; remove it")
+        elif key not in hints:
+            problems.append(f"engine.{key}: not an engine option (known: {', '.join(sorted(hints))})")
+        else:
+            convert(hints[key], value, f"engine.{key}", problems)
+    if not problems:
+        try:
+            EngineArgs(**{**ENGINE_DEFAULTS, **engine})
+        except ValueError as exc:
+            problems.extend(f"engine: {p}" for p in str(exc).split("; "))
+    return problems
 
 
 def workload(ctx: StageContext, p: ValidateParams) -> list[list[int]]:
@@ -142,14 +165,15 @@ def _stats(engine: Any, wall: float, tokens: int) -> dict[str, Any]:
 def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
     """Plain vs speculative at each batch size; equality of greedy outputs."""
     prompts = workload(ctx, p)
+    engine = p.engine_args()
     metrics: dict[str, Any] = {
         "num_prompts": len(prompts),
         "prompt_tokens": p.prompt_tokens,
         "max_tokens": p.max_tokens,
-        "k": p.num_speculative_tokens,
-        "adaptive_speculation": p.adaptive_speculation,
-        "int4_activations": p.int4_activations,
-        "prompt_lookup_max": p.prompt_lookup_max,
+        "k": engine.num_speculative_tokens,
+        "adaptive_speculation": engine.adaptive_speculation,
+        "int4_activations": engine.int4_activations,
+        "prompt_lookup_max": engine.prompt_lookup_max,
     }
     identical, real = True, 0
     for bs in p.batch_sizes:
@@ -209,20 +233,13 @@ def measure_batch(ctx: StageContext, p: ValidateParams, prompts: list[list[int]]
     turns over the workload at batch size ``bs``: statistics, speedups, output comparison."""
     from serve.engine import LLM
 
-    common = {
-        "dtype": p.dtype,
-        "max_num_seqs": bs,
-        "kv_cache_memory_gb": p.kv_cache_memory_gb,
-        "int4_activations": p.int4_activations,
-    }
-    spec = {"num_speculative_tokens": p.num_speculative_tokens, "adaptive_speculation": p.adaptive_speculation}
-    draft = ctx.inputs["draft"]
+    draft, lookup = ctx.inputs["draft"], p.engine_args(bs).prompt_lookup_max
     engines = [
-        LLM(ctx.model_dir, **common),
-        LLM(ctx.model_dir, draft, prompt_lookup_max=p.prompt_lookup_max, **spec, **common),
+        LLM(ctx.model_dir, None, p.engine_args(bs, prompt_lookup_max=0)),
+        LLM(ctx.model_dir, draft, p.engine_args(bs)),
     ]
-    if p.prompt_lookup_max:
-        engines.append(LLM(ctx.model_dir, draft, **spec, **common))
+    if lookup:
+        engines.append(LLM(ctx.model_dir, draft, p.engine_args(bs, prompt_lookup_max=0)))
     outs, stats = run_interleaved(engines, prompts, bs, p.max_tokens)
     rate = stats[0]["output_tokens_per_s"]
     out: dict[str, Any] = {
@@ -231,7 +248,7 @@ def measure_batch(ctx: StageContext, p: ValidateParams, prompts: list[list[int]]
         "speedup": stats[1]["output_tokens_per_s"] / rate,
         **compare_outputs(engines[0], prompts, outs[0], outs[1], p.tie_tolerance),
     }
-    if p.prompt_lookup_max:
+    if lookup:
         out["draft_alone"] = {
             **stats[2],
             "speedup": stats[2]["output_tokens_per_s"] / rate,

@@ -10,8 +10,9 @@ follows the target exactly, and the chance that one proposal is kept is
 
 which at temperature 0 (one-hot p and q) is 1 when the two argmaxes agree and 0 otherwise.
 
-This module gives three views of the same quantity, so that a stage (``distill.draft``) and the
-serving check (``serve.validate``) report numbers that mean the same thing:
+This module gives three views of the same quantity for the stages (``distill.draft``). The
+serving check (``serve.validate``) reads the engine's own counters instead (``serve/stats.py``:
+serve may not import the core), which follow the same definitions (docs/metrics.md):
 
 - :func:`analytic_acceptance`: mean ``sum min(p, q)`` over teacher-forced held-out text;
 - :func:`speculative_generate` / :func:`empirical_acceptance`: an exact speculative-decoding loop
@@ -414,8 +415,3 @@ def _decode_ms(model: Any, prefix: list[int], repeats: int) -> float:
             if i >= 3:  # warm-up steps are dropped
                 times.append(elapsed * 1000.0)
     return statistics.median(times)
-
-
-def speedup_table(alpha: float, cost_ratio: float, ks: Sequence[int] = tuple(range(1, 9))) -> dict[int, float]:
-    """Expected speedup for each ``k`` (a row of the acceptance report)."""
-    return {k: expected_speedup(alpha, k, cost_ratio) for k in ks}

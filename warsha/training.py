@@ -1,4 +1,4 @@
-"""The one training loop every training stage shares: resumable, accelerate-driven.
+"""The one training loop every training stage shares: resumable, on accelerate or DeepSpeed.
 
 Why one loop: checkpoint/resume, the cosine schedule, gradient accumulation, bf16 autocast,
 the progress bar and tracker logging must behave the same in bootstrap, adaptation, the
@@ -16,9 +16,10 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from warsha.artifacts import fsync_path, fsync_tree, write_json_atomic
 from warsha.schema import check, ge, gt
@@ -210,6 +211,139 @@ def _keeps_train_mode(module: Any) -> bool:
     return type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4")
 
 
+class TrainBackend(Protocol):
+    """What the loop asks of the engine that runs it: the small part that differs between
+    accelerate (`AccelerateBackend`, the default) and DeepSpeed (`tokenizer_ext.ds_train`).
+
+    The schedule, the micro-batch loop, the NaN check, reporting, evaluation and the result
+    are `Trainer`'s, the same for both.
+    """
+
+    rank: int
+    world_size: int
+    is_main: bool
+    device: Any
+
+    def prepare(self, model: Any, params: list[Any]) -> tuple[Any, Any]:
+        """The model to call and the optimizer whose ``param_groups`` take the learning rate."""
+
+    def micro_batch(self, model: Any) -> AbstractContextManager[Any]:
+        """The context one micro-batch's forward, backward and step run in."""
+
+    def backward(self, loss: Any) -> None:
+        """Gradients of one micro-batch's loss."""
+
+    def step(self, model: Any, opt: Any) -> None:
+        """After each micro-batch's backward: clip and step where the accumulation is complete."""
+
+    def save(self, root: Path, step: int, state: dict[str, Any]) -> None:
+        """A complete checkpoint of step ``step`` under ``root``, carrying ``state``."""
+
+    def resume(self, root: Path) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint under ``root``; its ``state`` (``step``, ``evals``)."""
+
+    def finish(self, model: Any, name: str) -> Any:
+        """After the last step, on every rank: the trained model as a plain module."""
+
+
+@dataclass
+class AccelerateBackend:
+    """The loop on accelerate: DDP, bf16 autocast, gradient accumulation, ``step-N`` checkpoints.
+
+    ``on_optimizer`` receives the torch optimizer once it exists, before accelerate wraps it.
+    """
+
+    acc: Any
+    p: TrainParams
+    on_optimizer: Callable[[Any], None] | None = None
+
+    @property
+    def rank(self) -> int:
+        return int(self.acc.process_index)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.acc.num_processes)
+
+    @property
+    def is_main(self) -> bool:
+        return bool(self.acc.is_main_process)
+
+    @property
+    def device(self) -> Any:
+        return self.acc.device
+
+    def prepare(self, model: Any, params: list[Any]) -> tuple[Any, Any]:
+        opt = make_optimizer(params, self.p)
+        if self.on_optimizer is not None:
+            self.on_optimizer(opt)
+        return self.acc.prepare(model, opt)
+
+    def micro_batch(self, model: Any) -> AbstractContextManager[Any]:
+        stack = ExitStack()
+        stack.enter_context(self.acc.accumulate(model))
+        stack.enter_context(self.acc.autocast())
+        return stack
+
+    def backward(self, loss: Any) -> None:
+        self.acc.backward(loss)
+
+    def step(self, model: Any, opt: Any) -> None:
+        if self.acc.sync_gradients:
+            self.acc.clip_grad_norm_(model.parameters(), self.p.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def save(self, root: Path, step: int, state: dict[str, Any]) -> None:
+        """Write ``step-N`` so that it counts only once complete.
+
+        The state is saved into ``step-N.tmp`` and fsynced; the step file, the marker of a
+        complete checkpoint, is written last and atomically; then the directory is renamed and
+        older checkpoints deleted. A kill or a full disk at any point leaves the previous
+        checkpoint in charge and at most a ``.tmp`` that is ignored.
+        """
+        acc, t0 = self.acc, time.perf_counter()
+        tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+        acc.wait_for_everyone()
+        save_state(acc, tmp)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            fsync_tree(tmp)
+            write_json_atomic(tmp / STEP_FILE, state)
+            if final.exists():  # an unusable leftover (its step file was unreadable)
+                shutil.rmtree(final)
+            tmp.rename(final)
+            fsync_path(root)
+            for old in root.glob("step-*"):
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+            log.info("%s: checkpoint at step %d (%.1f s)", root.name, step, time.perf_counter() - t0)
+        acc.wait_for_everyone()
+
+    def resume(self, root: Path) -> dict[str, Any] | None:
+        best: tuple[Path, dict[str, Any]] | None = None
+        for path in root.glob("step-*"):
+            state = read_step_file(path)
+            if state is not None and (best is None or state["step"] > best[1]["step"]):
+                best = (path, state)
+        if best is None:
+            return None
+        self.acc.load_state(str(best[0]))
+        log.info("%s: resumed from checkpoint at step %d", root.name, best[1]["step"])
+        return best[1]
+
+    def finish(self, model: Any, name: str) -> Any:
+        self.acc.wait_for_everyone()
+        # keep_fp32_wrapper=False: otherwise forward stays wrapped in bf16 autocast after training
+        # and every later evaluation silently runs in bf16.
+        plain = self.acc.unwrap_model(model, keep_fp32_wrapper=False)
+        check_ranks_in_sync(self.acc, plain, name)
+        return plain
+
+
 @dataclass
 class Trainer:
     """Runs ``p.steps`` optimizer steps of ``model`` on batches from ``batch_fn``.
@@ -217,7 +351,8 @@ class Trainer:
     ``batch_fn(step, micro, rank)`` returns a batch dict for one micro-batch; ``loss_fn``
     turns a batch into a scalar loss (default: causal LM loss). ``parameters`` restricts what
     is optimised (default: every parameter that requires grad); ``on_optimizer`` receives the
-    torch optimizer once it exists, before accelerate wraps it (for step hooks).
+    torch optimizer once it exists, before accelerate wraps it (for step hooks). ``backend``
+    runs the steps (default: `AccelerateBackend` on the stage's device).
     """
 
     model: Any
@@ -225,7 +360,7 @@ class Trainer:
     ctx: "StageContext"
     batch_fn: Callable[[int, int, int], Batch]
     loss_fn: Callable[[Any, Batch], "torch.Tensor"] = causal_lm_loss
-    accelerator: Any = None
+    backend: TrainBackend | None = None
     name: str = "train"
     parameters: list[Any] | None = None
     eval_fn: Callable[[Any], dict[str, float]] | None = None
@@ -236,17 +371,16 @@ class Trainer:
 
         from warsha.progress import progress
 
-        acc = self.accelerator or make_accelerator(self.ctx.device, self.p)
+        backend = self.backend or AccelerateBackend(
+            make_accelerator(self.ctx.device, self.p), self.p, self.on_optimizer
+        )
         params = self.parameters or [q for q in self.model.parameters() if q.requires_grad]
-        opt = make_optimizer(params, self.p)
-        if self.on_optimizer is not None:
-            self.on_optimizer(opt)
-        model, opt = acc.prepare(self.model, opt)
-        latest = self._latest()
-        start = self._resume(acc, latest)
-        self._evals = list(latest[1].get("evals", [])) if latest else []
+        model, opt = backend.prepare(self.model, params)
+        state = backend.resume(self._ckpt_root()) or {}
+        start = int(state.get("step", 0))
+        self._evals = list(state.get("evals", []))
         if start == 0:
-            self._evaluate(acc, 0)
+            self._evaluate(backend, 0)
         losses: list[float] = []
         tokens, t0 = 0, time.perf_counter()
         bar = progress(
@@ -254,32 +388,28 @@ class Trainer:
             initial=start,
             total=self.p.steps,
             desc=self.name,
-            disable=not acc.is_main_process,
+            disable=not backend.is_main,
             unit="step",
         )
         for step in bar:
-            loss, n_tok = self._step(acc, model, opt, step)
+            loss, n_tok = self.train_step(backend, model, opt, step)
             losses.append(loss)
-            tokens += n_tok * acc.num_processes
-            self._report(bar, step, loss, tokens / max(time.perf_counter() - t0, 1e-9))
+            tokens += n_tok * backend.world_size
+            self.report(bar, step, loss, tokens / max(time.perf_counter() - t0, 1e-9))
             if self.p.eval_every and ((step + 1) % self.p.eval_every == 0 or step + 1 == self.p.steps):
-                self._evaluate(acc, step + 1)
+                self._evaluate(backend, step + 1)
             if (step + 1) % self.p.checkpoint_every == 0 and step + 1 < self.p.steps:
-                self._checkpoint(acc, step + 1)
-        acc.wait_for_everyone()
-        # keep_fp32_wrapper=False: otherwise forward stays wrapped in bf16 autocast after training
-        # and every later evaluation silently runs in bf16.
-        self.model = acc.unwrap_model(model, keep_fp32_wrapper=False)
-        check_ranks_in_sync(acc, self.model, self.name)
-        return TrainResult(losses, tokens, time.perf_counter() - t0, start, acc.num_processes, self._evals)
+                backend.save(self._ckpt_root(), step + 1, {"step": step + 1, "evals": self._evals})
+        self.model = backend.finish(model, self.name)
+        return TrainResult(losses, tokens, time.perf_counter() - t0, start, backend.world_size, self._evals)
 
-    def _evaluate(self, acc: Any, step: int) -> None:
+    def _evaluate(self, backend: TrainBackend, step: int) -> None:
         """Held-out metrics at ``step`` on rank 0 (``eval_fn`` must not use collectives).
 
         Why inside the loop: a curve of held-out quality against steps is what shows whether a
         budget was enough; the final number alone cannot.
         """
-        if self.eval_fn is None or not self.p.eval_every or not acc.is_main_process:
+        if self.eval_fn is None or not self.p.eval_every or not backend.is_main:
             return
         import torch
 
@@ -293,78 +423,35 @@ class Trainer:
         self._evals.append({"step": step, **result})
         self.ctx.tracker.log({f"{self.name}/eval/{k}": v for k, v in result.items()}, step)
 
-    def _step(self, acc: Any, model: Any, opt: Any, step: int) -> tuple[float, int]:
+    def train_step(self, backend: TrainBackend, model: Any, opt: Any, step: int) -> tuple[float, int]:
+        """One optimizer step (``grad_accum`` micro-batches): its mean loss and the tokens it saw.
+
+        Public so that a measurement can time exactly the step `run` takes (benchmarks.train_bench).
+        """
         # The learning rate is a pure function of the step: nothing to save or restore.
         for group in opt.param_groups:
             group["lr"] = self.p.lr * lr_multiplier(step, self.p)
         total, n_tok = 0.0, 0
         for micro in range(self.p.grad_accum):
-            batch = {k: v.to(acc.device) for k, v in self.batch_fn(step, micro, acc.process_index).items()}
-            with acc.accumulate(model), acc.autocast():
+            batch = {k: v.to(backend.device) for k, v in self.batch_fn(step, micro, backend.rank).items()}
+            with backend.micro_batch(model):
                 loss = self.loss_fn(model, batch)
-                acc.backward(loss)
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), self.p.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                backend.backward(loss)
+                backend.step(model, opt)
             total += float(loss.detach()) / self.p.grad_accum
             n_tok += int(batch["input_ids"].numel())
         if not math.isfinite(total):
             raise FloatingPointError(f"{self.name}: loss became {total} at step {step}; lower train.lr")
         return total, n_tok
 
-    def _report(self, bar: Any, step: int, loss: float, tok_s: float) -> None:
+    def report(self, bar: Any, step: int, loss: float, tok_s: float) -> None:
+        """The step's loss and rate on the progress bar, and to the tracker every ``log_every`` steps."""
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
         if (step + 1) % self.p.log_every == 0 or step + 1 == self.p.steps:
             self.ctx.tracker.log({f"{self.name}/loss": loss, f"{self.name}/tokens_per_s": tok_s}, step + 1)
 
     def _ckpt_root(self) -> Path:
         return self.ctx.checkpoint_dir / self.name
-
-    def _checkpoint(self, acc: Any, step: int) -> None:
-        """Write ``step-N`` so that it counts only once complete.
-
-        The state is saved into ``step-N.tmp`` and fsynced; the step file, the marker of a
-        complete checkpoint, is written last and atomically; then the directory is renamed and
-        older checkpoints deleted. A kill or a full disk at any point leaves the previous
-        checkpoint in charge and at most a ``.tmp`` that is ignored.
-        """
-        root, t0 = self._ckpt_root(), time.perf_counter()
-        tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True, exist_ok=True)
-        acc.wait_for_everyone()
-        save_state(acc, tmp)
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            fsync_tree(tmp)
-            write_json_atomic(tmp / STEP_FILE, {"step": step, "evals": self._evals})
-            if final.exists():  # an unusable leftover (its step file was unreadable)
-                shutil.rmtree(final)
-            tmp.rename(final)
-            fsync_path(root)
-            for old in root.glob("step-*"):
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-            log.info("%s: checkpoint at step %d (%.1f s)", self.name, step, time.perf_counter() - t0)
-        acc.wait_for_everyone()
-
-    def _latest(self) -> tuple[Path, dict[str, Any]] | None:
-        """The newest complete checkpoint and its step file, or None."""
-        best: tuple[Path, dict[str, Any]] | None = None
-        for path in self._ckpt_root().glob("step-*"):
-            state = read_step_file(path)
-            if state is not None and (best is None or state["step"] > best[1]["step"]):
-                best = (path, state)
-        return best
-
-    def _resume(self, acc: Any, latest: tuple[Path, dict[str, Any]] | None) -> int:
-        if latest is None:
-            return 0
-        acc.load_state(str(latest[0]))
-        log.info("%s: resumed from checkpoint at step %d", self.name, latest[1]["step"])
-        return latest[1]["step"]
 
 
 class _TiedCopiesDropped(logging.Filter):

@@ -16,7 +16,9 @@ GPTQ v1, ``AwqTorchLinear`` for AWQ GEMM). Two checks:
 
 Runs inside the peer venv (see ``benchmarks/peers/make_venv.sh``):
 
-    GPTQMODEL_CPU_WORKERS=2 /work/venvs/peers/bin/python benchmarks/peers/gptqmodel_load.py EXPORT_DIR
+    GPTQMODEL_CPU_WORKERS=2 /work/venvs/peers/bin/python -m benchmarks.peers.gptqmodel_load EXPORT_DIR
+
+(from the repository root, which ``-m`` puts on the path: ``quantize.dequant`` is read from it).
 
 Prints a summary and writes JSON to ``benchmarks/results/peer_load-<quant_method>.json`` (or
 ``--out``). Exits non-zero when the agreement thresholds (``--max-steps``,
@@ -33,8 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # this checkout, where results go
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # the default thread pool oversubscribes 2 cores
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -4,21 +4,21 @@ Runs inside the venv that setup_llamacpp.sh builds (never the project's .venv):
 
     VENV/bin/python benchmarks/peers/llamacpp_runner.py SPEC.json
 
-SPEC holds `model_dir`, `gguf_dir` (a cache: conversions are reused while the checkpoint's size and
-mtime match), `converter` (the sdist's vendor/llama.cpp/convert_hf_to_gguf.py), `formats` (a list of
-"f16" and "q4_0"), `threads`, `prompt` (token ids), `new_tokens` and `out` (where the result JSON goes).
+SPEC holds `stage_dir` (the checkpoint laid out for the converter), `gguf_dir` (this checkpoint's
+cache: conversions are reused while the checkpoint's size and mtime match), `converter` (the sdist's
+vendor/llama.cpp/convert_hf_to_gguf.py), `formats` (a list of "f16" and "q4_0"), `threads`, `prompt`
+(token ids), `new_tokens` and `out` (where the result JSON goes).
 
-The converter reads the tokenizer beside the weights. The benchmark's random checkpoints have none,
-so a placeholder SentencePiece model with one piece per id is written into a staging copy (symlinks)
-of the checkpoint: only ids are ever fed, so the pieces' text never matters. Q4_0 comes from the F16
-file through `llama_model_quantize` (ftype 2, llama.cpp's own choice of types per tensor).
+The converter reads the tokenizer beside the weights. The benchmark's random checkpoints have none;
+serve_peers stages them with a placeholder tokenizer in the project's venv
+(`serve.peer_compare.staged_checkpoint`) before this runs. Q4_0 comes from the F16 file through
+`llama_model_quantize` (ftype 2, llama.cpp's own choice of types per tensor).
 Decode feeds the prompt in one `eval`, then one token per `eval`, taking the argmax of the last row's
 logits (greedy); TPOT is the mean time of the one-token steps.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -28,67 +28,15 @@ from pathlib import Path
 from typing import Any
 
 FTYPES = {"f16": 1, "q4_0": 2}  # llama_ftype: LLAMA_FTYPE_MOSTLY_F16, LLAMA_FTYPE_MOSTLY_Q4_0
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def checkpoint_key(model_dir: Path) -> str:
-    """A key that changes when the checkpoint's weights or config change."""
-    h = hashlib.sha256(str(model_dir.resolve()).encode())
-    for f in sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
-
-
-def write_placeholder_spm(path: Path, vocab_size: int, bos: int, eos: int) -> None:
-    """A SentencePiece model with `vocab_size` pieces, <unk>=0 and control <s>/</s> at the config's ids."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    m = pb.ModelProto()
-    m.trainer_spec.model_type = pb.TrainerSpec.BPE
-    m.trainer_spec.vocab_size = vocab_size
-    m.trainer_spec.unk_id, m.trainer_spec.bos_id, m.trainer_spec.eos_id, m.trainer_spec.pad_id = 0, bos, eos, -1
-    m.normalizer_spec.name = "identity"
-    m.normalizer_spec.add_dummy_prefix = False
-    for i in range(vocab_size):
-        piece = m.pieces.add()
-        if i == 0:
-            piece.piece, piece.type = "<unk>", pb.ModelProto.SentencePiece.UNKNOWN
-        elif i in (bos, eos):
-            piece.piece, piece.type = ("<s>" if i == bos else "</s>"), pb.ModelProto.SentencePiece.CONTROL
-        else:
-            piece.piece, piece.type = f"\u2581t{i}", pb.ModelProto.SentencePiece.NORMAL
-        piece.score = -float(i)
-    path.write_bytes(m.SerializeToString())
-
-
-def staged_checkpoint(model_dir: Path, stage: Path) -> Path:
-    """`model_dir` as symlinks, plus a placeholder tokenizer.model when it has no tokenizer of its own."""
-    stage.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        link = stage / f.name
-        if f.is_file() and not link.exists():
-            link.symlink_to(f.resolve())
-    if not any((model_dir / t).is_file() for t in TOKENIZER_FILES):
-        cfg = json.loads((model_dir / "config.json").read_text())
-        write_placeholder_spm(
-            stage / "tokenizer.model",
-            int(cfg["vocab_size"]),
-            int(cfg.get("bos_token_id", 1)),
-            int(cfg.get("eos_token_id", 2)),
-        )
-    return stage
 
 
 def gguf_file(spec: dict[str, Any], fmt: str) -> Path:
     """The GGUF file of `fmt` for the spec's checkpoint, converted or quantized once and cached."""
     import llama_cpp
 
-    model_dir = Path(spec["model_dir"])
-    root = Path(spec["gguf_dir"]) / f"{model_dir.name}-{checkpoint_key(model_dir)}"
+    root, stage = Path(spec["gguf_dir"]), Path(spec["stage_dir"])
     f16 = root / "model-f16.gguf"
     if not f16.is_file():
-        stage = staged_checkpoint(model_dir, root / "hf")
         tmp = f16.with_suffix(".part")
         cmd = [sys.executable, spec["converter"], str(stage), "--outfile", str(tmp), "--outtype", "f16"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -1,7 +1,9 @@
 """Command line of the HTTP server: `python -m serve ARTIFACT_DIR ...` and `warsha serve ...`.
 
-Kept free of heavy imports so `--help` answers at once; `serve.api.main` parses with this
-parser, loads the engine, then runs uvicorn.
+The engine's flags are generated from `EngineArgs`' fields (`EngineArgs.add_cli_args`); only the
+server's own options (address, API key, limits, logging) are listed here. Kept free of heavy
+imports so `--help` answers at once; `main` parses with this parser, loads the engine, then runs
+uvicorn.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 from serve.api.guard import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_REQUEST_TIMEOUT  # stdlib only: --help stays fast
+from serve.args import EngineArgs  # torch-free: its fields are the engine's flags
 
 EXAMPLES = """examples:
   python -m serve runs/arabic-tiny/gptq --draft runs/arabic-tiny/draft --port 8000
@@ -45,105 +48,7 @@ def build_parser(prog: str = "python -m serve") -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="the name clients pass as `model` (default: the directory name)"
     )
-    p.add_argument("--device", default="cpu", help="cpu, or cuda for Triton kernels on a GPU (default: %(default)s)")
-    p.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float32"],
-        help="weight and KV dtype (default: %(default)s)",
-    )
-    p.add_argument(
-        "--draft-dtype",
-        default=None,
-        choices=["bfloat16", "float32"],
-        help="the draft's weight and KV dtype; it moves acceptance, never outputs (default: --dtype)",
-    )
-    p.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=1.0,
-        help="memory for the paged KV cache, GiB (default: %(default)s)",
-    )
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-cache-memory-gb)"
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + completion served (default: the model's)"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default: %(default)s)")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=512,
-        help="token budget of one step: prefill chunks + decodes (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-waiting",
-        type=int,
-        default=4096,
-        help="queue length beyond which new requests get HTTP 429 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-tokens-in-flight",
-        type=int,
-        default=None,
-        help="cap on the sum of prompt + max_tokens over queued and running requests; beyond it 429",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=4,
-        help="draft tokens proposed per step with --draft or --prompt-lookup-max (default: %(default)s)",
-    )
-    p.add_argument(
-        "--prompt-lookup-max",
-        type=int,
-        default=0,
-        help="draft by prompt lookup: copy what followed the latest earlier occurrence of the last N tokens"
-        " (N from this down to --prompt-lookup-min); with --draft, the draft model drafts where nothing is"
-        " found. Pays on repetitive text (quoting the prompt, lists, code, greedy loops). 0: off",
-    )
-    p.add_argument(
-        "--prompt-lookup-min",
-        type=int,
-        default=2,
-        help="shortest suffix a prompt lookup may match (default: %(default)s)",
-    )
-    p.add_argument(
-        "--no-adaptive-speculation",
-        action="store_true",
-        help="always speculate instead of switching off a draft that does not pay",
-    )
-    p.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="disable reuse of cached KV blocks across requests with a shared prefix",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the engine's default sampler (requests may pass their own seed)"
-    )
-    p.add_argument(
-        "--int4-activations",
-        default="int8",
-        choices=["int8", "float"],
-        help="int4 checkpoints on CPU: round decode activations to int8 per 32 features (about twice as fast)"
-        " or keep them float32 (default: %(default)s)",
-    )
-    p.add_argument(
-        "--head-quant",
-        default="none",
-        choices=["none", "int8"],
-        help="int8: round the LM head to int8 per row on CPU (half the bytes a decode step reads for it; outputs"
-        " may differ from the checkpoint's at near-ties); none: the checkpoint's head (default: %(default)s)",
-    )
-    p.add_argument(
-        "--draft-head-quant",
-        default="auto",
-        choices=["auto", "none", "int8"],
-        help="the draft's LM head: int8 reads a quarter of float32's bytes per drafted token and moves only"
-        " acceptance, never outputs; auto: int8 on CPU where serve's kernels run (default: %(default)s)",
-    )
+    EngineArgs.add_cli_args(p.add_argument_group("engine (serve.args.EngineArgs)"))
     p.add_argument(
         "--threads",
         type=int,
@@ -209,7 +114,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve") -> int:
 
     from serve.api.app import build_app, log
     from serve.api.guard import ServerOptions
-    from serve.args import EngineArgs
     from serve.engine import LLM
     from serve.runtime import apply as apply_runtime
 

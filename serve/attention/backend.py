@@ -13,9 +13,8 @@ import warnings
 
 import torch
 
+from serve.args import ATTENTION_BACKENDS as BACKENDS
 from serve.attention.interface import AttentionBackend
-
-BACKENDS = ("torch", "triton")
 
 
 def get_backend(device: torch.device | str, prefer: str | None = None, **options: int) -> AttentionBackend:

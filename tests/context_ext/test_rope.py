@@ -1,4 +1,5 @@
-"""context_ext.rope against transformers' reference implementations (ROPE_INIT_FUNCTIONS)."""
+"""serve.rope, the one RoPE implementation, in float64 against transformers' references (ROPE_INIT_FUNCTIONS):
+what context_ext checks the configs it writes with."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from context_ext import rope
+from serve import rope
 
 N_CONFIGS = 150
 

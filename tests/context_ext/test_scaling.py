@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from context_ext import rope, scaling
+from context_ext import scaling
 from context_ext.stages import YarnParams
+from serve import rope
 from tests.context_ext.conftest import llama_config_dict
 
 CASES = [("yarn", False), ("linear", False), ("ntk", False), ("ntk", True)]

@@ -54,7 +54,7 @@ def test_output_loads_and_generates_with_transformers(extended: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from context_ext import rope
+    from serve import rope
 
     model = AutoModelForCausalLM.from_pretrained(extended).eval()
     tok = AutoTokenizer.from_pretrained(extended)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.evalstats import DocScores, doc_scores, relative_increase
+from quantize.evalstats import DocScores, doc_scores, pair, relative_increase
 
 
 def test_doc_scores_add_up_to_likelihood(model_dir: Path) -> None:
@@ -68,8 +68,6 @@ def test_per_document_scores_pair_across_files(tmp_path: Path) -> None:
     """Two runs written to separate files pair as the in-memory scores do (quant_bench --pair)."""
     import json
 
-    from benchmarks.quant_bench import pair
-
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(50, 200, (12,), generator=g)
     runs = {}
@@ -90,8 +88,6 @@ def test_per_document_scores_pair_across_files(tmp_path: Path) -> None:
 def test_several_runs_pair_as_their_per_document_mean(tmp_path: Path) -> None:
     """--pair A B C compares A with the document-by-document mean NLL of B and C, by hand."""
     import json
-
-    from benchmarks.quant_bench import pair
 
     tokens = torch.tensor([10, 20, 30, 40])
     runs = {

@@ -1,9 +1,9 @@
 """Independent libraries read Warsha's exports (slow; needs the peer venv).
 
 GPTQModel loads Warsha's GPTQ-v1 and AWQ-GEMM checkpoints with its own CPU kernels, and every
-integer code it decodes must be the one Warsha wrote (``benchmarks/peers/gptqmodel_load.py``).
+integer code it decodes must be the one Warsha wrote (``python -m benchmarks.peers.gptqmodel_load``).
 llm-compressor quantizes the same tiny model through ``benchmarks/peers/llmcompressor_quant.py``
-(the driver ``benchmarks/quant_bench.py`` uses), and the result must be on a 4-bit grid.
+(the driver ``python -m benchmarks.quant_bench`` uses), and the result must be on a 4-bit grid.
 Given the same weight, Hessian and group grid, llm-compressor's GPTQ solver
 (``benchmarks/peers/llmcompressor_gptq_layer.py``) and Warsha's give the same codes.
 
@@ -82,7 +82,8 @@ def test_gptqmodel_reads_every_code(
     res = subprocess.run(
         [
             str(PEER_PYTHON),
-            str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"),
+            "-m",
+            "benchmarks.peers.gptqmodel_load",
             str(export_dir),
             "--out",
             str(report_path),
@@ -90,6 +91,7 @@ def test_gptqmodel_reads_every_code(
         capture_output=True,
         text=True,
         timeout=900,
+        cwd=ROOT,
     )
     assert report_path.is_file(), res.stderr[-3000:]
     report = json.loads(report_path.read_text())
@@ -120,7 +122,8 @@ def test_gptqmodel_keeps_fallback_linears_in_float(
     res = subprocess.run(
         [
             str(PEER_PYTHON),
-            str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"),
+            "-m",
+            "benchmarks.peers.gptqmodel_load",
             str(export_dir),
             "--out",
             str(report_path),
@@ -128,6 +131,7 @@ def test_gptqmodel_keeps_fallback_linears_in_float(
         capture_output=True,
         text=True,
         timeout=900,
+        cwd=ROOT,
     )
     report = json.loads(report_path.read_text())
     assert report["ok"] and res.returncode == 0, report.get("error")
@@ -143,7 +147,8 @@ def test_gptqmodel_refuses_asymmetric_gptq_v1_from_other_tools(model_dir: Path, 
     res = subprocess.run(
         [
             str(PEER_PYTHON),
-            str(ROOT / "benchmarks" / "peers" / "gptqmodel_load.py"),
+            "-m",
+            "benchmarks.peers.gptqmodel_load",
             str(export_dir),
             "--out",
             str(report_path),
@@ -151,6 +156,7 @@ def test_gptqmodel_refuses_asymmetric_gptq_v1_from_other_tools(model_dir: Path, 
         capture_output=True,
         text=True,
         timeout=900,
+        cwd=ROOT,
     )
     report = json.loads(report_path.read_text())
     assert res.returncode == 1 and not report["ok"]

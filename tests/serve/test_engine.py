@@ -251,10 +251,10 @@ def _restricted_copy(draft: Path, tmp_path: Path, ids: list[int]) -> Path:
 
 def test_restricted_draft_head_is_exact_and_uses_only_its_ids(spec_pair: tuple[Path, Path], tmp_path: Path) -> None:
     """A draft computing logits for a subset of ids still gives exactly the target's output."""
-    from serve.model import LlamaModel
+    from serve.model import DecoderModel
 
     target, draft = spec_pair
-    vocab = LlamaModel.load(draft, "float32").lm_head.shape[0]
+    vocab = DecoderModel.load(draft, "float32").lm_head.shape[0]
     ids = list(range(0, vocab, 3))  # a third of the vocabulary: the target picks many ids outside it
     restricted = _restricted_copy(draft, tmp_path, ids)
     prompts = random_prompts(6, seed=4)

@@ -14,7 +14,7 @@ import torch
 
 from serve import LLM, SamplingParams
 from serve.config import ModelConfig
-from serve.model import LlamaModel
+from serve.model import DecoderModel
 from tests.serve.conftest import hf_model, make_layer_skip_draft, make_model
 from warsha.random_models import FAMILY_CONFIGS
 
@@ -31,7 +31,7 @@ def _ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 def test_logits_match_transformers_at_every_position(family_dir: Path) -> None:
     """70 tokens: more than four windows of 16, so sliding layers mask most of the context."""
-    ours = LlamaModel.load(family_dir, "float32")
+    ours = DecoderModel.load(family_dir, "float32")
     ids = [1] + _ids(69, ours.config.vocab_size)
     with torch.no_grad():
         ref = hf_model(family_dir)(torch.tensor([ids])).logits[0].float()
@@ -108,7 +108,7 @@ def test_gptq_int4_checkpoint_loads_and_matches_its_dequantized_weights(family_d
     """Every projection int4 (AVX2/torch int4 kernels, float activations) vs transformers on the
     dequantized float32 weights: the families' norms and head_dim reach the int4 path intact."""
     qdir, ddir = _gptq_pair(family_dir, tmp_path)
-    ours = LlamaModel.load(qdir, "float32", int4_activations="float")
+    ours = DecoderModel.load(qdir, "float32", int4_activations="float")
     ids = [1] + _ids(39, ours.config.vocab_size)
     with torch.no_grad():
         want = hf_model(ddir)(torch.tensor([ids])).logits[0].float()
@@ -124,7 +124,7 @@ def test_triton_backend_serves_sliding_windows(tmp_path: Path) -> None:
     from serve.attention import get_backend
 
     path = make_model(tmp_path / "g", seed=5, **FAMILY_CONFIGS["gemma3"])
-    ours = LlamaModel.load(path, "float32", backend=get_backend("cpu", prefer="triton"))
+    ours = DecoderModel.load(path, "float32", backend=get_backend("cpu", prefer="triton"))
     ids = [1] + _ids(39, ours.config.vocab_size)
     ref = hf_model(path)
     with torch.no_grad():

@@ -238,13 +238,13 @@ def _decode_step_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
 def test_bf16_decode_with_and_without_serve_kernels_tracks_float32(tiny_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """The kernel path and torch's fallback (no compiler, no AVX2) both stay within bf16 error of
     the float32 model on a decode step; only their rounding differs."""
-    from serve.model import LlamaModel
+    from serve.model import DecoderModel
 
     ids = list(range(7, 40))
-    ref = _decode_step_logits(LlamaModel.load(tiny_dir, "float32"), ids)
-    fast = _decode_step_logits(LlamaModel.load(tiny_dir, "bfloat16"), ids)
+    ref = _decode_step_logits(DecoderModel.load(tiny_dir, "float32"), ids)
+    fast = _decode_step_logits(DecoderModel.load(tiny_dir, "bfloat16"), ids)
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    fallback_model = LlamaModel.load(tiny_dir, "bfloat16")
+    fallback_model = DecoderModel.load(tiny_dir, "bfloat16")
     assert fallback_model.layers[0].qkv.kernel_max_rows == 0
     fallback = _decode_step_logits(fallback_model, ids)
     for got in (fast, fallback):

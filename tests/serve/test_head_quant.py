@@ -16,7 +16,7 @@ import torch
 from serve import LLM, SamplingParams, cpu_kernels
 from serve.args import EngineArgs
 from serve.head_quant import Int8Linear, quantize_rows_int8
-from serve.model import LlamaModel
+from serve.model import DecoderModel
 from tests.serve.conftest import hf_model
 
 pytestmark = pytest.mark.skipif(
@@ -56,8 +56,8 @@ def test_small_and_large_batches_compute_the_same_head() -> None:
 
 
 def test_int8_head_logits_stay_within_the_rounding_bound(tiny_dir: Path) -> None:
-    ref = LlamaModel.load(tiny_dir, "float32")
-    quant = LlamaModel.load(tiny_dir, "float32", head_quant="int8")
+    ref = DecoderModel.load(tiny_dir, "float32")
+    quant = DecoderModel.load(tiny_dir, "float32", head_quant="int8")
     h = torch.randn(12, ref.lm_head.shape[1])
     exact, rounded = ref.head(h), quant.head(h)
     # each logit moves by at most sum_k |h_k| * step_row / 2

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from serve import LLM, SamplingParams
-from serve.model import LlamaModel
+from serve.model import DecoderModel
 from serve.quant import Int4Linear, gptq_dequantize, gptq_to_int4_parts
 from tests.serve.conftest import make_model
 from tests.serve.gptq_pack import brute_force_dequant, quantize_to_gptq
@@ -116,7 +116,7 @@ def test_int4_model_matches_dequantized_reference(
 
     qdir, ddir = int4_pair
     ref = hf_model(ddir)
-    ours = LlamaModel.load(qdir, "bfloat16", int4_activations=activations)
+    ours = DecoderModel.load(qdir, "bfloat16", int4_activations=activations)
     ids = list(range(5, 45))
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
@@ -139,7 +139,7 @@ def test_int4_model_matches_dequantized_reference(
 def test_int4_activations_option_reaches_the_linears_and_is_validated(int4_pair: tuple[Path, Path]) -> None:
     qdir, _ = int4_pair
     for mode, a8 in (("int8", True), ("float", False)):
-        model = LlamaModel.load(qdir, int4_activations=mode)
+        model = DecoderModel.load(qdir, int4_activations=mode)
         linears = [model.layers[0].o, model.layers[0].down]
         assert all(lin.int8_activations is a8 for lin in linears)
     with pytest.raises(ValueError, match="int4_activations='int4'"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from serve.config import ModelConfig
-from serve.model import LlamaModel, resolve_dtype
+from serve.model import DecoderModel, resolve_dtype
 from serve.rope import inv_freq_and_attention_factor, rope_config_from_hf
 from tests.serve.conftest import hf_model, make_model
 
@@ -60,7 +60,7 @@ def test_rope_math_matches_transformers(name: str) -> None:
 
 def _compare(path: Path, dtype: torch.dtype, rtol: float, n: int = 60) -> None:
     ref_model = hf_model(path, dtype)
-    ours = LlamaModel.load(path, dtype)
+    ours = DecoderModel.load(path, dtype)
     ids = torch.randint(3, ours.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].float()
@@ -107,13 +107,13 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
     cfg["model_type"] = "gpt2"
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="supported: llama, mistral, qwen2"):
-        LlamaModel.load(path)
+        DecoderModel.load(path)
 
 
 def test_missing_checkpoint_and_bad_dtype(tmp_path: Path) -> None:
     path = make_model(tmp_path / "m")
     (path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        LlamaModel.load(path)
+        DecoderModel.load(path)
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("float16x")

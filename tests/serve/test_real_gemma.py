@@ -81,12 +81,12 @@ def test_sixteen_prompts_sixtyfour_tokens_match_transformers(gemma: tuple[Path, 
 
 @pytest.mark.slow
 def test_logits_within_1e4_at_every_position_of_2000_tokens(gemma: tuple[Path, object, object]) -> None:
-    from serve.model import LlamaModel
+    from serve.model import DecoderModel
 
     path, ref, tok = gemma
     ids = tok(LONG_TEXT_AR * 60 + LONG_TEXT_EN * 40)["input_ids"][:2000]
     assert len(ids) == 2000
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0].float()
-    got = LlamaModel.load(path, "float32").prefill_logits(ids, block_size=16)
+    got = DecoderModel.load(path, "float32").prefill_logits(ids, block_size=16)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -16,7 +16,8 @@ def test_benchmark_quick_run_writes_results(tmp_path: Path) -> None:
     before = set((ROOT / "benchmarks" / "results").glob("*.json"))
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "serve_bench.py"),
+        "-m",
+        "benchmarks.serve_bench",
         "--quick",
         "--no-medium",
         "--skip-cb",
@@ -27,7 +28,7 @@ def test_benchmark_quick_run_writes_results(tmp_path: Path) -> None:
         "--workdir",
         str(tmp_path),
     ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     new = sorted(set((ROOT / "benchmarks" / "results").glob("*.json")) - before)
     assert new, "no results file written"
     data = json.loads(new[-1].read_text())
@@ -62,7 +63,7 @@ def test_bf16_engine_tracks_hf_generate(tiny_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_reliability_load_test_small(tmp_path: Path) -> None:
-    """benchmarks/serve_reliability.py scaled down (60 concurrent streams, 10% hostile, a pool for 20
+    """``python -m benchmarks.serve_reliability`` scaled down (60 concurrent streams, 10% hostile, a pool for 20
     sequences): every well-formed stream identical to its run alone, no 5xx, no leaked block."""
     import os
     import re
@@ -70,11 +71,10 @@ def test_reliability_load_test_small(tmp_path: Path) -> None:
     from tests.serve.conftest import make_model
 
     make_model(tmp_path / "model", seed=5, max_position_embeddings=256)
-    script = ROOT / "benchmarks" / "serve_reliability.py"
-    cmd = [sys.executable, str(script), "--requests", "60", "--max-tokens", "16", "--no-save"]
+    cmd = [sys.executable, "-m", "benchmarks.serve_reliability", "--requests", "60", "--max-tokens", "16", "--no-save"]
     cmd += ["--model-dir", str(tmp_path / "model")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT)
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     for row, value in (

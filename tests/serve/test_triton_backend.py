@@ -42,8 +42,8 @@ def test_cpu_serving_never_imports_triton(tiny_dir: Path) -> None:
     """`import serve`, the engine module and a CPU model forward leave triton unimported."""
     code = (
         "import sys, serve, serve.engine, serve.attention\n"
-        "from serve.model import LlamaModel\n"
-        "m = LlamaModel.load(sys.argv[1], 'float32')\n"
+        "from serve.model import DecoderModel\n"
+        "m = DecoderModel.load(sys.argv[1], 'float32')\n"
         "assert m.backend.name == 'torch'\n"
         "assert m.prefill_logits([3, 4, 5, 6]).isfinite().all()\n"
         "bad = sorted(k for k in sys.modules if k == 'triton' or k.startswith(('triton.', "
@@ -58,10 +58,10 @@ def test_cpu_serving_never_imports_triton(tiny_dir: Path) -> None:
 
 def test_model_forward_on_triton_backend(tiny_dir: Path) -> None:
     """Chunked prefill of two prompts then decode steps: logits equal the torch backend's."""
-    from serve.model import ForwardBatch, LlamaModel
+    from serve.model import DecoderModel, ForwardBatch
 
     device = kernel_device()
-    models = {name: LlamaModel.load(tiny_dir, "float32", device=device) for name in ("torch", "triton")}
+    models = {name: DecoderModel.load(tiny_dir, "float32", device=device) for name in ("torch", "triton")}
     models["torch"].backend = get_backend(device, prefer="torch")
     models["triton"].backend = get_backend(device, prefer="triton", partition_size=16)
     caches = {name: m.new_kv_cache(12, 16) for name, m in models.items()}

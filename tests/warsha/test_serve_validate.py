@@ -22,8 +22,10 @@ def test_validate_stage_with_self_draft(tiny_artifact: Path, tmp_path: Path) -> 
                 "num_prompts": 3,
                 "prompt_tokens": 8,
                 "max_tokens": 12,
-                "num_speculative_tokens": 3,
-                "adaptive_speculation": False,  # every step drafts the full window of 3
+                "engine": {
+                    "num_speculative_tokens": 3,
+                    "adaptive_speculation": False,  # every step drafts the full window of 3
+                },
                 "batch_sizes": [1, 3],
             },
         }
@@ -46,7 +48,8 @@ def test_validate_stage_with_self_draft(tiny_artifact: Path, tmp_path: Path) -> 
 def test_validate_with_prompt_lookup_measures_the_draft_alone_too(tiny_artifact: Path, tmp_path: Path) -> None:
     data = tiny_recipe()
     data["base"] = str(tiny_artifact)
-    params = {"num_prompts": 3, "prompt_tokens": 8, "max_tokens": 24, "prompt_lookup_max": 3, "batch_sizes": [1]}
+    params = {"num_prompts": 3, "prompt_tokens": 8, "max_tokens": 24, "batch_sizes": [1]}
+    params["engine"] = {"prompt_lookup_max": 3}
     data["stages"] = [{"stage": "serve.validate", "inputs": {"draft": str(tiny_artifact)}, "params": params}]
     recipe = parse_recipe(data)
     pipeline.Runner(recipe, tmp_path).run(pipeline.plan(recipe, tmp_path), {0})
@@ -117,3 +120,56 @@ def test_compare_outputs_separates_near_ties_from_real_mismatches() -> None:
     assert r["divergences"][0]["top2_gap"] == pytest.approx(2e-4) and r["divergences"][1]["top2_gap"] is None
     assert engine.calls[0][0] == [[1, 5]]  # the prefix up to the divergence
     assert compare_outputs(engine, prompts, plain, spec, tolerance=1e-5)["near_tie_flips"] == 0
+
+
+def test_engine_block_reaches_every_engine_as_engine_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's ``engine:`` options, over serve.validate's documented defaults, are the
+    EngineArgs of the plain, speculative and draft-alone engines (lookup only in the speculative)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import serve.engine
+    from serve.args import EngineArgs
+    from warsha import serve_validate as sv
+    from warsha.schema import from_dict
+
+    seen: list[tuple[object, EngineArgs]] = []
+    monkeypatch.setattr(serve.engine, "LLM", lambda model, draft, args: seen.append((draft, args)) or args)
+    stats = {"output_tokens_per_s": 1.0}
+    monkeypatch.setattr(sv, "run_interleaved", lambda engines, *a: ([[]] * len(engines), [stats] * len(engines)))
+    monkeypatch.setattr(sv, "compare_outputs", lambda *a: {})
+    problems: list[str] = []
+    engine = {"head_quant": "int8", "prompt_lookup_max": 3, "num_speculative_tokens": 2, "dtype": "bfloat16"}
+    p = from_dict(sv.ValidateParams, {"engine": engine}, "params", problems)
+    assert problems == []
+    sv.measure_batch(SimpleNamespace(model_dir="m", inputs={"draft": "d"}), p, [[1]], 4)
+    want = EngineArgs(
+        dtype="bfloat16",
+        int4_activations="float",
+        kv_cache_memory_gb=0.5,
+        head_quant="int8",
+        prompt_lookup_max=3,
+        num_speculative_tokens=2,
+        max_num_seqs=4,
+    )
+    assert seen == [
+        (None, dataclasses.replace(want, prompt_lookup_max=0)),
+        ("d", want),
+        ("d", dataclasses.replace(want, prompt_lookup_max=0)),
+    ]
+
+
+def test_bad_engine_block_is_named_before_anything_runs() -> None:
+    from warsha.config import RecipeError
+
+    data = tiny_recipe()
+    engine = {"kv_cache_gb": 1, "block_size": "x", "max_num_seqs": 2}
+    data["stages"].append({"stage": "serve.validate", "inputs": {"draft": "bootstrap"}, "params": {"engine": engine}})
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(data)
+    text = str(err.value)
+    assert "stages[1].params.engine.kv_cache_gb: not an engine option" in text
+    assert "engine.block_size: expected int" in text and "engine.max_num_seqs: set by batch_sizes" in text
+    data["stages"][-1]["params"] = {"engine": {"dtype": "fp8"}}
+    with pytest.raises(RecipeError, match=r"params.engine: dtype='fp8' is not supported"):
+        parse_recipe(data)

@@ -7,7 +7,6 @@ with its field before any work starts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -148,13 +147,3 @@ def _read_sums(path: Path) -> dict[str, str]:
         if re.fullmatch(r"[0-9a-f]{64}", digest):
             out[fname.strip().lstrip("*")] = digest
     return out
-
-
-def sha256_concat(files: Sequence[Path], chunk: int = 1 << 22) -> str:
-    """Hex sha256 of the files' concatenation (the GGUF the chunks make up)."""
-    h = hashlib.sha256()
-    for path in files:
-        with open(path, "rb") as fh:
-            while block := fh.read(chunk):
-                h.update(block)
-    return h.hexdigest()

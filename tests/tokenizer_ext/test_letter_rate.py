@@ -1,20 +1,15 @@
-"""benchmarks/arabic_chars_bench.py's arithmetic: the letters/s ratio and its bootstrap interval.
+"""tokenizer_ext.letter_rate: the letters/s ratio and its bootstrap interval.
 
-The bench itself needs the real recipe's models; what it computes from what they generated is
-checked here against a direct computation on counts whose answer is known, and its options
-against the errors a user should see.
+``python -m benchmarks.arabic_chars_bench`` needs the real recipe's models; what it computes from
+what they generated is checked here against a direct computation on counts whose answer is known,
+and its options against the errors a user should see.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import arabic_chars_bench as bench  # noqa: E402
+from tokenizer_ext import letter_rate as bench
 
 
 def _counts(letters: list[int], seconds: list[float]) -> bench.Counts:
@@ -73,12 +68,8 @@ def test_mode_names() -> None:
 
 
 @pytest.mark.parametrize(("value", "message"), [("1,x", "not a comma list"), ("1,-0.5", ">= 0")])
-def test_bad_temperatures_are_named(
-    value: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["arabic_chars_bench.py", "--base", "a", "--extended", "b", "--temperatures", value]
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(SystemExit):
-        bench.parse_args()
-    err = capsys.readouterr().err
-    assert "--temperatures" in err and message in err
+def test_bad_temperatures_are_named(value: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        bench.parse_temperatures(value)
+    assert "--temperatures" in str(err.value) and message in str(err.value)
+    assert bench.parse_temperatures("1,0") == [1.0, 0.0]

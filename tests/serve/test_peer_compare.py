@@ -1,39 +1,26 @@
-"""Helpers of benchmarks/serve_peers.py and its peer runners that decide reported figures.
+"""serve.roofline and serve.peer_compare: what decides the figures the peer benchmarks report.
 
 The roofline's byte counts are checked against serve's own KV cache allocation and a hand count
-of a small checkpoint, the vLLM runner's percentile against serve.stats, the placeholder tokenizer
-the llama.cpp converter reads against sentencepiece itself, and the Warsha / best-peer ratio and
-spec_peers.py's speedups against rows whose answer is known. The peers themselves never run
-here (they need their venvs).
+of a small checkpoint, the vLLM runner's latencies summarised with serve.stats' percentile, the
+placeholder tokenizer the llama.cpp converter reads against sentencepiece itself, and the Warsha /
+best-peer ratio and the speculative speedups against rows whose answer is known. The peers
+themselves never run here (they need their venvs).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from serve import peer_compare
+from serve import roofline as rl
 from serve.kv_cache import KVCache
 from serve.stats import percentile
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(rel: str) -> ModuleType:
-    path = ROOT / rel
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _config(tmp_path: Path, **over: int) -> Path:
@@ -43,7 +30,6 @@ def _config(tmp_path: Path, **over: int) -> Path:
 
 
 def test_kv_bytes_per_token_matches_the_engines_cache(tmp_path: Path) -> None:
-    rl = _load("benchmarks/peers/roofline.py")
     d = _config(tmp_path)
     blocks, block_size = 5, 16
     for dtype in (torch.bfloat16, torch.float32):
@@ -53,7 +39,6 @@ def test_kv_bytes_per_token_matches_the_engines_cache(tmp_path: Path) -> None:
 
 
 def test_checkpoint_decode_bytes_skips_the_embedding_and_g_idx(tmp_path: Path) -> None:
-    rl = _load("benchmarks/peers/roofline.py")
     state = {
         "model.embed_tokens.weight": torch.zeros(64, 32, dtype=torch.bfloat16),
         "model.layers.0.mlp.up_proj.qweight": torch.zeros(4, 48, dtype=torch.int32),
@@ -70,25 +55,26 @@ def test_checkpoint_decode_bytes_skips_the_embedding_and_g_idx(tmp_path: Path) -
 
 
 def test_roofline_bound_is_bandwidth_over_step_bytes() -> None:
-    rl = _load("benchmarks/peers/roofline.py")
     r = rl.roofline(1000, 10, 50.0, 3000.0)
     assert r["step_bytes"] == 1500 and r["bound_tok_s"] == 2.0
 
 
-def test_vllm_runner_percentile_is_serves() -> None:
-    vr = _load("benchmarks/peers/vllm_runner.py")
+def test_vllm_runner_latencies_use_serves_percentile() -> None:
     rng = random.Random(0)
     for n in (1, 2, 7, 64):
-        xs = [rng.random() for _ in range(n)]
-        for q in (0, 50, 99, 100):
-            assert vr._percentile(xs, q) == pytest.approx(percentile(xs, q))
-    assert vr._percentile([], 50) is None
+        ttft, tpot = [rng.random() for _ in range(n)], [rng.random() for _ in range(n)]
+        job = peer_compare.latency_percentiles({"tok_per_s": 3.0, "ttft_s": ttft, "tpot_s": tpot})
+        assert job["tok_per_s"] == 3.0 and "ttft_s" not in job and "tpot_s" not in job
+        for q in (50, 99):
+            assert job[f"ttft_p{q}"] == pytest.approx(percentile(ttft, q))
+            assert job[f"tpot_p{q}"] == pytest.approx(percentile(tpot, q))
+    assert peer_compare.latency_percentiles({"ttft_s": [], "tpot_s": []})["ttft_p50"] is None
 
 
 def test_placeholder_tokenizer_maps_every_id(tmp_path: Path) -> None:
     spm = pytest.importorskip("sentencepiece")
-    lr = _load("benchmarks/peers/llamacpp_runner.py")
-    lr.write_placeholder_spm(tmp_path / "tokenizer.model", 300, 1, 2)
+
+    peer_compare.write_placeholder_spm(tmp_path / "tokenizer.model", 300, 1, 2)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     assert sp.vocab_size() == 300
     assert sp.unk_id() == 0 and sp.bos_id() == 1 and sp.eos_id() == 2
@@ -99,25 +85,25 @@ def test_placeholder_tokenizer_maps_every_id(tmp_path: Path) -> None:
 
 def test_staged_checkpoint_links_weights_and_adds_a_tokenizer_only_when_missing(tmp_path: Path) -> None:
     pytest.importorskip("sentencepiece")
-    lr = _load("benchmarks/peers/llamacpp_runner.py")
+
     (tmp_path / "src").mkdir()
     src = _config(tmp_path / "src")
     (src / "model.safetensors").write_bytes(b"w")
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 1, "eos_token_id": 2}))
-    stage = lr.staged_checkpoint(src, tmp_path / "stage")
+    stage = peer_compare.staged_checkpoint(src, tmp_path / "stage")
     assert (stage / "model.safetensors").resolve() == (src / "model.safetensors").resolve()
     assert (stage / "tokenizer.model").is_file()
     (src / "tokenizer.json").write_text("{}")
-    stage2 = lr.staged_checkpoint(src, tmp_path / "stage2")
+    stage2 = peer_compare.staged_checkpoint(src, tmp_path / "stage2")
     assert not (stage2 / "tokenizer.model").exists() and (stage2 / "tokenizer.json").is_symlink()
-    key = lr.checkpoint_key(src)
+    key = peer_compare.checkpoint_key(src)
     (src / "model.safetensors").write_bytes(b"changed")
-    assert lr.checkpoint_key(src) != key
+    assert peer_compare.checkpoint_key(src) != key
 
 
 def test_warsha_vs_best_peer_ratio() -> None:
-    sp = _load("benchmarks/serve_peers.py")
+
     rows = [
         {"bits": 16, "engine": "warsha bf16", "tok_s": 8.0},
         {"bits": 32, "engine": "warsha fp32", "tok_s": 4.0},
@@ -127,12 +113,11 @@ def test_warsha_vs_best_peer_ratio() -> None:
         {"bits": 4, "engine": "llama.cpp Q4_0", "tok_s": 20.0},
         {"bits": 4, "engine": "vLLM int4", "error": "refused"},
     ]
-    assert sp.warsha_vs_best_peer(rows, 16) == (0.8, "vLLM fp32")  # HF is the floor, never the best peer
-    assert sp.warsha_vs_best_peer(rows, 4) is None  # no Warsha 4-bit row
+    assert peer_compare.warsha_vs_best_peer(rows, 16) == (0.8, "vLLM fp32")  # HF is the floor, never the best peer
+    assert peer_compare.warsha_vs_best_peer(rows, 4) is None  # no Warsha 4-bit row
 
 
 def test_rounds_merge_to_the_median_and_keep_every_rate() -> None:
-    from serve_peers import merge_rounds
 
     def rows(w: float, lc: float) -> list[dict]:
         return [
@@ -141,7 +126,7 @@ def test_rounds_merge_to_the_median_and_keep_every_rate() -> None:
             {"engine": "broken", "error": "x"},
         ]
 
-    merged = merge_rounds([rows(30, 20), rows(10, 22), rows(20, 30)])
+    merged = peer_compare.merge_rounds([rows(30, 20), rows(10, 22), rows(20, 30)])
     assert [r.get("tok_s") for r in merged] == [20, 22, None]
     assert merged[0]["tok_s_rounds"] == [30, 10, 20] and merged[0]["of_bound"] == 0.5
     assert merged[2] == {"engine": "broken", "error": "x"}
@@ -151,7 +136,6 @@ def test_spec_peers_speedups_identity_and_ratio_from_known_rows() -> None:
     """Each speculative row is divided by its own engine and dtype's plain row, outputs compared
     with that row's; the headline ratio takes Warsha's faster dtype; a failed peer stays an
     error row instead of a figure."""
-    sp = _load("benchmarks/spec_peers.py")
     raw = {
         "warsha bfloat16 plain": {"tok_per_s": 10.0, "outputs": [[1, 2]]},
         "warsha bfloat16 spec": {"tok_per_s": 25.0, "outputs": [[1, 2]], "acceptance_rate": 0.8},
@@ -160,16 +144,16 @@ def test_spec_peers_speedups_identity_and_ratio_from_known_rows() -> None:
         "vLLM float32 plain": {"tok_per_s": 5.0, "outputs": [[1, 2]]},
         "vLLM float32 spec": {"tok_per_s": 10.0, "outputs": [[1, 3]]},
     }
-    rows = sp.summarize(raw)
+    rows = peer_compare.spec_summary(raw)
     assert rows["warsha bfloat16 spec"]["speedup"] == pytest.approx(2.5)
     assert rows["warsha bfloat16 spec"]["identical_to_plain"] is True
     assert rows["warsha float32 spec"]["speedup"] == pytest.approx(1.5)
     assert rows["warsha float32 spec"]["identical_to_plain"] is False
     assert rows["vLLM float32 spec"]["speedup"] == pytest.approx(2.0)
     assert "speedup" not in rows["vLLM float32 plain"]
-    cmp = sp.comparisons(rows, raw)
+    cmp = peer_compare.spec_comparisons(rows, raw)
     assert cmp["warsha spec / vLLM spec"] == pytest.approx(2.5)
     assert cmp["float32 spec outputs identical, Warsha vs vLLM"] is True
-    failed = sp.summarize({**raw, "vLLM float32 spec": {"error": "boom"}})
+    failed = peer_compare.spec_summary({**raw, "vLLM float32 spec": {"error": "boom"}})
     assert failed["vLLM float32 spec"] == {"error": "boom"}
-    assert "warsha spec / vLLM spec" not in sp.comparisons(failed, raw)
+    assert "warsha spec / vLLM spec" not in peer_compare.spec_comparisons(failed, raw)

@@ -2,7 +2,7 @@
 
 A batch-1 decode step reads every weight but the embedding table once (the embedding is one row
 lookup) plus the KV cache of the context so far; on a CPU that is memory-bound, tokens/s cannot
-exceed bandwidth / those bytes. Imported by benchmarks/serve_peers.py in the project's venv.
+exceed bandwidth / those bytes. `python -m benchmarks.serve_peers` divides each engine's decode rate by it.
 """
 
 from __future__ import annotations

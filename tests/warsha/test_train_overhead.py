@@ -1,4 +1,4 @@
-"""benchmarks/train_bench.py compares like with like: the trainer and the bare loop do the same work.
+"""warsha.train_overhead compares like with like: the trainer and the bare loop do the same work.
 
 For every stage's case the two loops start from identical weights, see identical batches and use
 the same loss, so their loss curves must agree; a case whose loops diverged would report an
@@ -9,21 +9,16 @@ checked against rows whose answer is known.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import train_bench  # noqa: E402
-import train_cases  # noqa: E402
+from warsha import train_cases, train_overhead
 
 
 @pytest.mark.parametrize("name", list(train_cases.CASES))
 def test_trainer_and_bare_loop_train_identically(name: str) -> None:
     args = argparse.Namespace(steps=1)
-    rows = train_bench.run_case(train_cases.CASES[name](args), args, name)
+    rows = train_overhead.run_case(train_cases.CASES[name](args), args, name)
     ours, bare = rows["trainer"], rows["bare"]
     assert len(rows["losses"]["trainer"]) == len(rows["losses"]["bare"]) == 2
     # step 0 from identical weights: equal; step 1 after one identical update: equal to float32 noise
@@ -40,7 +35,7 @@ def test_allocator_row_weights_rounds_by_time() -> None:
         "system": [run(100.0, 10.0, 15.0, 5.0), run(50.0, 20.0, 30.0, 10.0)],  # 2000 tokens in 30 s
         "glibc-tuned": [run(200.0, 10.0, 19.0, 1.0)],  # 2000 tokens in 10 s
     }
-    row = train_bench._allocator_row(runs, "bootstrap")
+    row = train_overhead.allocator_row(runs, "bootstrap")
     assert row["system"]["tokens_per_s"] == pytest.approx(2000 / 30)
     assert row["system"]["sys_share"] == pytest.approx(15 / 60)
     assert row["glibc-tuned"]["sys_per_user"] == pytest.approx(1 / 19)
@@ -52,6 +47,6 @@ def test_children_start_without_the_parents_allocator(monkeypatch: pytest.Monkey
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4 /opt/libother.so")
     monkeypatch.setenv("MALLOC_TOP_PAD_", "1")
     monkeypatch.setenv("WARSHA_ALLOCATOR_REEXEC", "1")
-    env = train_bench._clean_env("system")
+    env = train_overhead.child_env("system")
     assert env["WARSHA_ALLOCATOR"] == "system" and env["LD_PRELOAD"] == "/opt/libother.so"
     assert "MALLOC_TOP_PAD_" not in env and "WARSHA_ALLOCATOR_REEXEC" not in env

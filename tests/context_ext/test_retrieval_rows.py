@@ -1,10 +1,11 @@
-"""``benchmarks/retrieval_standin.py``: its rows teach copying without leaking the evaluation."""
+"""``context_ext.retrieval_rows`` (``python -m benchmarks.retrieval_standin``): its rows teach copying
+without leaking the evaluation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,17 +13,9 @@ from typing import Any
 import pytest
 
 from context_ext import passkey
+from context_ext import retrieval_rows as mod
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "retrieval_standin.py"
-
-
-def _standin() -> Any:
-    spec = importlib.util.spec_from_file_location("retrieval_standin", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +26,11 @@ def tok(tiny_artifact: Path) -> Any:
 
 
 def test_digit_ids_are_the_ten_digits(tok: Any) -> None:
-    ids = _standin().digit_ids(tok)
+    ids = mod.digit_ids(tok)
     assert [tok.decode([i]).strip() for i in ids] == list("0123456789")
 
 
 def test_digit_row_weights_mark_exactly_the_predictable_copies() -> None:
-    mod = _standin()
     digits = list(range(100, 110))
     for seed in range(50):
         ids, w = mod.digit_row(digits, 96, random.Random(seed), bos=1)
@@ -55,7 +47,6 @@ def test_digit_row_weights_mark_exactly_the_predictable_copies() -> None:
 
 
 def test_passkey_rows_use_training_keys_and_depths_only(tiny_artifact: Path, tok: Any) -> None:
-    mod = _standin()
     fmt = passkey.PasskeyFormat(tok)
     filler = list(range(2000, 2400))
     for seed in range(40):
@@ -70,7 +61,6 @@ def test_passkey_rows_use_training_keys_and_depths_only(tiny_artifact: Path, tok
 
 
 def test_row_mix_is_reproducible_and_mixes(tok: Any) -> None:
-    mod = _standin()
     fmt = passkey.PasskeyFormat(tok)
     mix = mod.RowMix(
         fmt, list(range(2000, 2400)), list(range(3000, 3400)), mod.digit_ids(tok), [64, 128], 1024, 0.3, 0.2, seed=1
@@ -95,35 +85,34 @@ def test_row_mix_is_reproducible_and_mixes(tok: Any) -> None:
 
 def test_bad_lengths_name_the_flag() -> None:
     with pytest.raises(SystemExit, match="--lengths"):
-        _standin().row_lengths("64,512", 256)
+        mod.row_lengths("64,512", 256)
 
 
 def test_writes_a_loadable_standin_with_its_curve(tiny_artifact: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "standin"
-    _standin().main(
-        [
-            "--model",
-            str(tiny_artifact),
-            "--out",
-            str(out),
-            "--steps",
-            "2",
-            "--eval-every",
-            "1",
-            "--trials",
-            "5",
-            "--lengths",
-            "64",
-            "--tokens",
-            "128",
-            "--collections",
-            "bukhari",
-            "--threads",
-            "1",
-        ]
-    )
+    argv = [
+        "--model",
+        str(tiny_artifact),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--eval-every",
+        "1",
+        "--trials",
+        "5",
+        "--lengths",
+        "64",
+        "--tokens",
+        "128",
+        "--collections",
+        "bukhari",
+        "--threads",
+        "1",
+    ]
+    subprocess.run([sys.executable, "-m", "benchmarks.retrieval_standin", *argv], check=True, cwd=ROOT)
     report = json.loads((out / "retrieval_standin.json").read_text())
     assert [c["step"] for c in report["curve"]] == [1, 2]
     assert all(0.0 <= c["passkey_at_context"] <= 1.0 for c in report["curve"])
@@ -132,7 +121,7 @@ def test_writes_a_loadable_standin_with_its_curve(tiny_artifact: Path, tmp_path:
 
 
 def test_rate_warms_up_then_holds_or_decays_to_a_tenth() -> None:
-    rate = _standin().rate
+    rate = mod.rate
     for schedule in ("constant", "cosine"):
         assert [rate(1e-3, s, 100, schedule) for s in range(10)] == pytest.approx([1e-4 * (s + 1) for s in range(10)])
     assert {rate(1e-3, s, 100, "constant") for s in range(10, 100)} == {1e-3}

@@ -1,8 +1,8 @@
-"""``benchmarks/outlier_standin.py``: the float model is unchanged, the quantization problem is not."""
+"""``quantize.outliers`` (``python -m benchmarks.outlier_standin``): the float model is unchanged, the
+quantization problem is not."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,23 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantize import outliers as mod
 from quantize.quantizer import QuantSpec, quantize_rtn
 from tests.quantize.quant_fixtures import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "outlier_standin.py"
-
-
-def _standin() -> object:
-    spec = importlib.util.spec_from_file_location("outlier_standin", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("kind", ["weight", "activation"])
 def test_logits_unchanged_in_float64(kind: str) -> None:
-    mod = _standin()
     model = tiny_model(seed=3, outliers=False).double()
     ids = torch.randint(2, 600, (2, 24))
     with torch.no_grad():
@@ -38,7 +30,6 @@ def test_logits_unchanged_in_float64(kind: str) -> None:
 
 def test_weight_outliers_make_rtn_output_error_grow() -> None:
     """The point of the stand-in: RTN's error on the fed linears' outputs rises by a large factor."""
-    mod = _standin()
     model = tiny_model(seed=4, outliers=False)
     layer = model.model.layers[0]
     x = torch.randn(64, model.config.hidden_size)
@@ -56,7 +47,6 @@ def test_weight_outliers_make_rtn_output_error_grow() -> None:
 
 
 def test_only_the_chosen_channels_move() -> None:
-    mod = _standin()
     model = tiny_model(seed=5, outliers=False)
     layer = model.model.layers[1]
     norm0, up0 = layer.post_attention_layernorm.weight.clone(), layer.mlp.up_proj.weight.clone()
@@ -69,7 +59,6 @@ def test_only_the_chosen_channels_move() -> None:
 
 
 def test_bad_arguments_name_the_option() -> None:
-    mod = _standin()
     model = tiny_model(seed=6, outliers=False)
     with pytest.raises(ValueError, match="--magnitude"):
         mod.inject_outliers(model, [1], 0.0)
@@ -85,7 +74,10 @@ def test_refuses_to_overwrite_an_existing_output(tmp_path: Path) -> None:
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", str(tmp_path), "--out", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "benchmarks.outlier_standin", "--model", str(tmp_path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert run.returncode != 0 and "--out" in run.stderr and "exists" in run.stderr
     assert (out / "keep.txt").read_text() == "mine"

@@ -1,4 +1,9 @@
-"""The training steps ``train_bench.py`` measures: each stage's model, batch shape and loss.
+"""Each stage's training step on fixed shapes: its model, batch shape and loss.
+
+``python -m benchmarks.train_bench`` and ``python -m benchmarks.lm_loss_bench`` time these steps
+(``warsha.train_overhead``). This is the one core module that reaches into the stage packages
+(it builds each stage's model the way the stage does); only ``warsha.train_overhead`` imports
+it, and nothing imports that, so no cycle follows (tests/test_layout.py).
 
 Each case mirrors what the demo recipe (``recipes/arabic-tiny.yaml``) trains, on random weights
 and random token ids (throughput does not depend on what the tokens say):
@@ -12,7 +17,7 @@ and random token ids (throughput does not depend on what the tokens say):
   teacher forward on the fly), 8 x 128 tokens. On-policy steps, which also sample from the draft,
   are left out: they measure generation, not the training step.
 
-``build(name, args)`` returns a ``Case``; ``make_model()`` is called once per loop, so both loops
+``CASES[name](args)`` returns a ``Case``; ``make_model()`` is called once per loop, so both loops
 start from identical weights.
 """
 

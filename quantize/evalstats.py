@@ -83,13 +83,9 @@ def doc_scores(
     desc: str = "scoring",
 ) -> DocScores:
     """Score ``texts`` (each with BOS) like ``likelihood`` does, keeping each document's sum."""
-    from warsha.evaluate import document_windows, scored_batches
+    from warsha.evaluate import document_nll
 
-    ids, jobs = document_windows(tokenizer, texts, max_length, stride)
-    jobs.sort(key=lambda j: j[1][1] - j[1][0])  # similar widths together: less padding
-    nll = torch.zeros(len(ids), dtype=torch.float64)
-    for docs, rows in scored_batches(model, ids, jobs, batch_size, desc):
-        nll.index_add_(0, torch.tensor(docs), rows)
+    ids, nll = document_nll(model, tokenizer, texts, max_length, batch_size, stride, desc)
     tokens = torch.tensor([max(len(d) - 1, 0) for d in ids], dtype=torch.int64)
     return DocScores(nll=nll, tokens=tokens, chars=sum(len(t) for t in texts))
 

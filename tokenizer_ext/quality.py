@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from tokenizer_ext import script_leak as leak
-from warsha import domains
+from warsha import domains, evaluate
 from warsha.evaluate import likelihood, ratio_change
 
 SPLIT = "validation"
@@ -42,12 +42,12 @@ def domain_texts(names: list[str], docs: int, corpus: Any) -> dict[str, list[str
 def document_nll(
     model: Any, tok: Any, sets: dict[str, list[str]], max_length: int, set_eval: bool = True
 ) -> dict[str, list[float]]:
-    """Negative log-likelihood (nats) of each document of each set: the unit paired comparisons
-    sample is the document, so per-document sums are kept (``set_eval`` as in ``bits_per_char``)."""
+    """Negative log-likelihood (nats) of each document of each set (``warsha.evaluate.document_nll``;
+    ``set_eval`` as in ``bits_per_char``)."""
     if set_eval:
         model.eval()
     return {
-        name: [likelihood(model, tok, [t], max_length, desc=f"bpc {name}").nll_nats for t in texts]
+        name: evaluate.document_nll(model, tok, texts, max_length, desc=f"bpc {name}")[1].tolist()
         for name, texts in sets.items()
     }
 

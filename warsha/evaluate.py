@@ -155,6 +155,28 @@ def scored_batches(
             yield [d for d, _ in batch], row_nll(model, [(ids[d], w) for d, w in batch], device)
 
 
+def document_nll(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    max_length: int,
+    batch_size: int = 8,
+    stride: int | None = None,
+    desc: str = "scoring",
+) -> tuple[list[list[int]], "torch.Tensor"]:
+    """Each text's ids and its summed NLL (nats, float64 [n_docs]), scored as ``likelihood``
+    scores them (the same windows, batches of similar widths): the unit paired comparisons
+    sample is the document, so its sums are kept apart."""
+    import torch
+
+    ids, jobs = document_windows(tokenizer, texts, max_length, stride)
+    jobs.sort(key=lambda j: j[1][1] - j[1][0])  # similar widths together: less padding
+    nll = torch.zeros(len(ids), dtype=torch.float64)
+    for docs, rows in scored_batches(model, ids, jobs, batch_size, desc):
+        nll.index_add_(0, torch.tensor(docs), rows)
+    return ids, nll
+
+
 def likelihood(
     model: Any,
     tokenizer: Any,

@@ -62,6 +62,10 @@ class EmbedParams(DomainEval):
         default="subword_mean",
         metadata=check(help="new rows: mean of the base pieces' rows, random, or mean of all rows"),
     )
+    init_scale: float = field(
+        default=1.0,
+        metadata=check(gt(0.0), le(2.0), help="multiplies the new rows (docs/adaptation.md: 0.6-0.8 scored better)"),
+    )
     pad_to_multiple_of: int = field(
         default=64, metadata=check(ge(1), help="pad rows to a multiple (bitsandbytes 4-bit needs 32)")
     )

@@ -139,3 +139,18 @@ def test_other_domain_sets_are_scored_for_both_models(tmp_path: Path, sp_extende
         == pytest.approx(tpw_en := report["tokens_per_word"]["en_essays"]["base"])
         and tpw_en > 1
     )
+
+
+def test_init_scale_shrinks_only_the_new_rows(
+    tmp_path: Path, sp_extended_dir: Path, sp_embedded_dir: Path, corpus: Any
+) -> None:
+    """init_scale multiplies the new rows (the padding rows keep the plain mean of the base rows)."""
+    ctx = make_ctx(tmp_path, sp_extended_dir, corpus, "embed")
+    m = embed.run(ctx, EmbedParams(eval_docs=0, domain_eval=[], init_scale=0.6))
+    assert m["init_scale"] == 0.6
+    full, _ = _weights(sp_embedded_dir)
+    shrunk, _ = _weights(ctx.out_dir)
+    n = m["tokenizer_size"]
+    torch.testing.assert_close(shrunk[:32000], full[:32000])
+    torch.testing.assert_close(shrunk[32000:n], 0.6 * full[32000:n])
+    torch.testing.assert_close(shrunk[n:], full[n:])

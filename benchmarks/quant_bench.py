@@ -2,7 +2,7 @@
 
 Same model, same calibration rows (packed by ``quantize.calib`` from the corpus's train split,
 languages mixed as ``--calib-langs`` says), same held-out validation documents, same evaluator
-(``quantize.evalstats.doc_scores``, which splits ``warsha.evaluate.likelihood`` by document):
+(``warsha.evaluate.document_nll``, ``warsha.evaluate.likelihood`` split by document):
 perplexity per language, its relative increase over the unquantized model with a paired
 standard error over documents, each method against RTN and against its llm-compressor
 counterpart (also paired), and the wall time of the quantization itself.
@@ -147,9 +147,13 @@ def warsha_method(
 
 
 def score(model: Any, tok: Any, texts: dict, args: argparse.Namespace) -> dict:
-    from quantize.evalstats import doc_scores
+    from quantize.evalstats import DocScores
+    from warsha.evaluate import document_nll
 
-    return {lang: doc_scores(model, tok, docs, args.eval_max_length, 8) for lang, docs in texts.items()}
+    return {
+        lang: DocScores.of(docs, *document_nll(model, tok, docs, args.eval_max_length, 8))
+        for lang, docs in texts.items()
+    }
 
 
 def run_llmcompressor(args: argparse.Namespace, calib: Any, ignore: list[str], tmp: Path) -> dict[str, Any]:

@@ -72,22 +72,11 @@ class DocScores:
             "documents": int(self.nll.numel()),
         }
 
-
-def doc_scores(
-    model: Any,
-    tokenizer: Any,
-    texts: Sequence[str],
-    max_length: int,
-    batch_size: int = 8,
-    stride: int | None = None,
-    desc: str = "scoring",
-) -> DocScores:
-    """Score ``texts`` (each with BOS) like ``likelihood`` does, keeping each document's sum."""
-    from warsha.evaluate import document_nll
-
-    ids, nll = document_nll(model, tokenizer, texts, max_length, batch_size, stride, desc)
-    tokens = torch.tensor([max(len(d) - 1, 0) for d in ids], dtype=torch.int64)
-    return DocScores(nll=nll, tokens=tokens, chars=sum(len(t) for t in texts))
+    @classmethod
+    def of(cls, texts: Sequence[str], ids: list[list[int]], nll: torch.Tensor) -> DocScores:
+        """From ``warsha.evaluate.document_nll``'s ids and sums over ``texts`` (each with BOS)."""
+        tokens = torch.tensor([max(len(d) - 1, 0) for d in ids], dtype=torch.int64)
+        return cls(nll=nll, tokens=tokens, chars=sum(len(t) for t in texts))
 
 
 def relative_increase(after: DocScores, before: DocScores) -> tuple[float, float]:

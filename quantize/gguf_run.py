@@ -62,7 +62,7 @@ def convert_f16(python: Path, converter: Path, src: Path, out: Path) -> Path:
 
 
 def eval_docs(tokenizer: Any, texts: list[str], max_length: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Each text's ids (BOS first) and the sliding windows scored over them, as ``doc_scores``."""
+    """Each text's ids (BOS first) and the sliding windows scored over them, as ``warsha.evaluate.document_nll``."""
     from warsha.evaluate import windows
 
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []

@@ -23,7 +23,7 @@ import torch
 from quantize.arch import ArchSpec, arch_for, decoder_layers, get_module
 from quantize.awq import AWQOptions
 from quantize.calib import calibration_ids, interleave
-from quantize.evalstats import DocScores, doc_scores, relative_increase
+from quantize.evalstats import DocScores, relative_increase
 from quantize.export import export, quantization_config, save_dtype
 from quantize.gptq import GPTQOptions
 from quantize.layerwise import (
@@ -38,6 +38,7 @@ from quantize.layerwise import (
 )
 from quantize.quantizer import QuantizedLinear, QuantSpec
 from quantize.shapes import advice, fitting_group_sizes
+from warsha.evaluate import document_nll
 
 log = logging.getLogger("warsha.quantize")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,9 +101,10 @@ def evaluate(
     model.to(device)
     for lang, docs in texts.items():
         log.info("quantize: scoring %s on %d %s documents", label, len(docs), lang)
-        out[lang] = doc_scores(
+        ids, nll = document_nll(
             model, tokenizer, docs, params.eval_max_length, params.eval_batch_size, desc=f"{label} {lang}"
         )
+        out[lang] = DocScores.of(docs, ids, nll)
     model.to("cpu")
     return out
 

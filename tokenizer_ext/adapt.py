@@ -9,6 +9,7 @@ tokenizer. Bits per character on held-out text compares them across tokenizers; 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -194,7 +195,7 @@ def adapt_one(
         nll = quality.document_nll(model, tok, sets, p.eval_max_length, set_eval=False)
         return {**curve, **quality.domain_bpc(nll, sets)}
 
-    model, result, extra = _train(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, replay_loss(p))
+    model, result, extra = _train(TrainJob(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, replay_loss(p)))
     step = max(1, len(result.losses) // 50)
     metrics: dict[str, Any] = {
         **result.summary(),
@@ -218,26 +219,34 @@ def adapt_one(
     return metrics
 
 
-def _train(
-    ctx: "StageContext",
-    p: "AdaptParams",
-    weights: Path,
-    new_ids: list[int],
-    name: str,
-    batch_fn: Any,
-    out: Path | None,
-    eval_fn: Any,
-    loss_fn: Any,
-) -> tuple[Any, Any, dict[str, Any]]:
-    """Dispatch on the mode; returns (plain model on rank 0 or None, TrainResult, info).
+@dataclass
+class TrainJob:
+    """One adapt training run (the extended model or the same-budget base), as both modes take it.
 
     ``eval_fn`` gives the held-out curve when ``train.eval_every`` is set (not under DeepSpeed,
-    whose partitioned parameters cannot be evaluated on one rank).
+    whose partitioned parameters cannot be evaluated on one rank); ``out`` is None on the
+    same-budget base run, whose merged model is not kept.
     """
-    if p.mode == "qlora":
-        return _train_qlora(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, loss_fn)
+
+    ctx: StageContext
+    p: AdaptParams
+    weights: Path
+    new_ids: list[int]
+    name: str
+    batch_fn: Any
+    out: Path | None
+    eval_fn: Any
+    loss_fn: Any
+
+
+def _train(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
+    """Dispatch on the mode; returns (plain model on rank 0 or None, TrainResult, info)."""
+    if job.p.mode == "qlora":
+        return _train_qlora(job)
     import torch
     from transformers import AutoModelForCausalLM
+
+    ctx, p, weights, name = job.ctx, job.p, job.weights, job.name
 
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
     trainable = _select(model, p.mode)
@@ -246,7 +255,7 @@ def _train(
         from tokenizer_ext import ds_train
 
         cfg = ds_train.load_config(p.deepspeed, p.train, ds_train.world_size(), p.offload_optimizer)
-        result, state = ds_train.train(model, p.train, ctx, batch_fn, cfg, f"adapt_{name}")
+        result, state = ds_train.train(model, p.train, ctx, job.batch_fn, cfg, f"adapt_{name}")
         info.update(zero_stage=ds_train.zero_stage(cfg), world_size=ds_train.world_size())
         if state is None:
             return None, result, info
@@ -257,11 +266,11 @@ def _train(
         model=model,
         p=p.train,
         ctx=ctx,
-        batch_fn=batch_fn,
-        loss_fn=loss_fn,
+        batch_fn=job.batch_fn,
+        loss_fn=job.loss_fn,
         name=f"adapt_{name}",
         parameters=trainable,
-        eval_fn=eval_fn,
+        eval_fn=job.eval_fn,
     )
     result = trainer.run()
     return (trainer.model.float() if ctx.is_main else None), result, info
@@ -281,22 +290,13 @@ def _from_state(weights: Path, state: dict[str, Any]) -> Any:
     return model
 
 
-def _train_qlora(
-    ctx: "StageContext",
-    p: "AdaptParams",
-    weights: Path,
-    new_ids: list[int],
-    name: str,
-    batch_fn: Any,
-    out: Path | None,
-    eval_fn: Any,
-    loss_fn: Any,
-) -> tuple[Any, Any, dict[str, Any]]:
+def _train_qlora(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
     from transformers import AutoConfig
 
     from tokenizer_ext import qlora
     from warsha.training import Trainer
 
+    ctx, p, weights, new_ids, name = job.ctx, job.p, job.weights, job.new_ids, job.name
     tied = bool(getattr(AutoConfig.from_pretrained(weights), "tie_word_embeddings", False))
     model = qlora.load(
         weights,
@@ -316,17 +316,17 @@ def _train_qlora(
         model=model,
         p=p.train,
         ctx=ctx,
-        batch_fn=batch_fn,
-        loss_fn=loss_fn,
+        batch_fn=job.batch_fn,
+        loss_fn=job.loss_fn,
         name=f"adapt_{name}",
-        eval_fn=eval_fn,
+        eval_fn=job.eval_fn,
         on_optimizer=_slow_base_rows(model, p, new_ids),
     )
     result = trainer.run()
     info = {"trainable_params": trainable, "total_params": total, "trainable_new_rows": len(new_ids)}
     if not ctx.is_main:
         return None, result, info
-    adapter_dir = out / "adapter" if out is not None else ctx.checkpoint_dir / f"adapter_{name}"
+    adapter_dir = job.out / "adapter" if job.out is not None else ctx.checkpoint_dir / f"adapter_{name}"
     return qlora.save_and_merge(trainer.model, weights, adapter_dir), result, info
 
 

@@ -9,20 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.evalstats import DocScores, doc_scores, pair, relative_increase
+from quantize.evalstats import DocScores, pair, relative_increase
 
 
 def test_doc_scores_add_up_to_likelihood(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.quantize.quant_fixtures import synthetic_docs
-    from warsha.evaluate import likelihood
+    from warsha.evaluate import document_nll, likelihood
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     docs = synthetic_docs("en", 9, 3) + ["the prophet said " * 40]  # one document longer than a window
     whole = likelihood(model, tok, docs, 64, 4)
-    per_doc = doc_scores(model, tok, docs, 64, 3)
+    per_doc = DocScores.of(docs, *document_nll(model, tok, docs, 64, 3))
     assert int(per_doc.tokens.sum()) == whole.tokens
     assert per_doc.perplexity == pytest.approx(whole.perplexity, rel=1e-5)
     assert per_doc.bits_per_char == pytest.approx(whole.bits_per_char, rel=1e-5)

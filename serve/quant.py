@@ -28,9 +28,8 @@ from serve.cpu import UPCAST_MIN_ROWS, upcast_bf16_default
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 PACKED_MAX_ROWS = 128  # float32 oneDNN-packed path of DenseLinear (measured: MKL is as fast above)
 F32_KERNEL_MAX_ROWS = 6  # float32 weights: serve's AVX2 kernel up to here (oneDNN wins from 8 rows)
-# bf16 weights on a native-bf16 CPU: serve's kernel up to here, oneDNN's prepacked (AMX) GEMM above.
-# Measured (Sapphire Rapids, one thread's CPU time, Gemma 3 270M's shapes): the kernel took
-# 0.5-0.9x oneDNN's time at 1-4 rows (0.6x on the 262k-row head), 1.2-4x at 8-16 rows.
+# bf16 weights on a native-bf16 CPU: serve's kernel up to here, oneDNN's prepacked (AMX) GEMM above
+# (the crossover `python -m benchmarks.isa_gemv` finds on Gemma 3 270M's shapes; docs/results.md).
 NATIVE_BF16_KERNEL_MAX_ROWS = 4
 
 

@@ -186,6 +186,7 @@ def run_gguf(ctx: Any, p: Any) -> dict[str, Any]:
     target = p.modelfile_type or (p.types[-1] if p.types else "F16")
     metrics: dict[str, Any] = {
         "llama_cpp_python": result["llama_cpp_python"],
+        "extra_buffer_types": result["extra_buffer_types"],  # off on AMX hosts (gguf_tool.amx_host)
         "converter": str(converter),
         "types": type_metrics(result, spec, scored),
         "tokenization": {

@@ -13,7 +13,7 @@ SPEC fields: ``f16`` (the converted F16 GGUF), ``out_dir``, ``types`` (names of 
 the sliding windows ``warsha.evaluate`` scores), ``prompts`` (token ids), ``max_tokens``,
 ``speed_tokens`` and ``result`` (where the JSON goes). The result: per type its file, bytes,
 per-document NLLs and decode tokens/s; the F16 greedy continuations; the texts whose
-llama.cpp tokenization differs.
+llama.cpp tokenization differs; whether llama.cpp's extra buffer types were on (``amx_host``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,35 @@ def quantize(f16: Path, out: Path, name: str, threads: int) -> Path:
         raise RuntimeError(f"llama_model_quantize({name}) returned {rc}")
     tmp.rename(out)
     return out
+
+
+def amx_host() -> bool:
+    """Whether this CPU reports AMX tiles (``amx_int8`` in ``/proc/cpuinfo``).
+
+    Why: llama.cpp 0.3.36's AMX matmul, the extra buffer type it puts quantized weights in on
+    such CPUs, dies with SIGILL on a Sapphire Rapids VM (``tilezero`` in an OpenMP worker whose
+    tiles were never configured; AMX itself works there once a thread configures its tiles),
+    so on AMX hosts the tools load models without extra buffer types: llama.cpp's plain CPU
+    kernels, AVX-512 included, run instead.
+    """
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def skip_extra_buffers() -> None:
+    """Make every later ``llama_cpp.Llama`` load with ``use_extra_bufts = False`` (AMX, repacking)."""
+    import llama_cpp.llama_cpp as lc
+
+    default = lc.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lc.llama_model_default_params = params
 
 
 def load(path: Path, n_ctx: int, threads: int, logits_all: bool = False) -> Any:
@@ -157,6 +186,9 @@ def main(spec_path: str) -> int:
 
     f16 = Path(spec["f16"])
     result: dict[str, Any] = {"llama_cpp_python": llama_cpp.__version__, "types": {}}
+    result["extra_buffer_types"] = not amx_host()
+    if not result["extra_buffer_types"]:
+        skip_extra_buffers()
     result["tokenization_diffs"] = tokenization_diffs(f16, spec["texts"])
     result["types"]["F16"] = measure(f16, spec, f16=True)
     for name in spec["types"]:

@@ -19,6 +19,7 @@ logits (greedy); TPOT is the mean time of the one-token steps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-FTYPES = {"f16": 1, "q4_0": 2}  # llama_ftype: LLAMA_FTYPE_MOSTLY_F16, LLAMA_FTYPE_MOSTLY_Q4_0
+FTYPES = {"f16": 1, "q4_0": 2}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gguf_tool() -> Any:
+    """The stage's llama.cpp helpers (``quantize/gguf_tool.py``, standard library only), loaded by
+    path: this runner runs in the llama.cpp venv, outside the project's packages."""
+    spec = importlib.util.spec_from_file_location("gguf_tool", ROOT / "quantize" / "gguf_tool.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module  # llama_ftype: LLAMA_FTYPE_MOSTLY_F16, LLAMA_FTYPE_MOSTLY_Q4_0
 
 
 def gguf_file(spec: dict[str, Any], fmt: str) -> Path:
@@ -106,6 +117,10 @@ def main(spec_path: str) -> int:
     import llama_cpp
 
     result: dict[str, Any] = {"llama_cpp_python": llama_cpp.__version__, "formats": {}}
+    tool = gguf_tool()
+    result["extra_buffer_types"] = not tool.amx_host()  # llama.cpp's AMX path faults on AMX hosts
+    if not result["extra_buffer_types"]:
+        tool.skip_extra_buffers()
     for fmt in spec["formats"]:
         try:
             path = gguf_file(spec, fmt)

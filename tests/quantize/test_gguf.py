@@ -118,3 +118,26 @@ def test_gguf_stage_end_to_end(tmp_path: Path, corpus: Any) -> None:
         assert types["F16"][lang]["tokens"] == types["Q4_K_M"][lang]["tokens"] > 100
     assert (ctx.out_dir / "model-Q4_K_M.gguf").is_file()
     assert (ctx.out_dir / "Modelfile").read_text().startswith("FROM ./model-Q4_K_M.gguf\n")
+
+
+def test_extra_buffers_are_turned_off_through_the_default_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AMX hosts every later Llama load must see ``use_extra_bufts = False``; other fields stay."""
+    import sys
+    import types
+
+    from quantize import gguf_tool
+
+    class Params:
+        use_extra_bufts = True
+        n_gpu_layers = 7
+
+    package, binding = types.ModuleType("llama_cpp"), types.ModuleType("llama_cpp.llama_cpp")
+    binding.llama_model_default_params = Params  # type: ignore[attr-defined]
+    package.llama_cpp = binding  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "llama_cpp", package)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", binding)
+    gguf_tool.skip_extra_buffers()
+    p = binding.llama_model_default_params()  # type: ignore[attr-defined]
+    assert (p.use_extra_bufts, p.n_gpu_layers) == (False, 7)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    assert gguf_tool.amx_host() == ("amx_int8" in flags)

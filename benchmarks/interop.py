@@ -5,8 +5,10 @@ directory (the float artifacts such as `yarn`, with its `rope_scaling`, and the 
 checkpoints) this loads the export in:
 
 - serve (Warsha's engine), the reference;
-- vLLM's CPU backend (its own venv, `bash benchmarks/peers/setup_vllm_cpu.sh`), same dtype;
-- transformers: `from_pretrained` for float artifacts; a quantized export through
+- vLLM's CPU backend (its own venv, `bash benchmarks/peers/setup_vllm_cpu.sh`) in `--dtype`
+  (bf16 by default: vLLM refuses float32 for GPTQ), against serve in the same dtype;
+- transformers in float32, against serve in float32: `from_pretrained` for float artifacts; a
+  quantized export through
   `quantize.dequant.load_dequantized` (Warsha's reader of the packed tensors into a plain
   transformers model: transformers' own GPTQ/AWQ loaders need GPTQModel or AutoAWQ and a GPU);
 
@@ -35,8 +37,6 @@ import torch
 from benchmarks import serve_bench as sb
 from benchmarks.serve_peers import PEERS_CACHE, run_vllm
 from warsha import domains
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def prompts_for(export: Path, n: int, length: int) -> list[list[int]]:
@@ -83,32 +83,39 @@ def compare(engine: Any, prompts: list[list[int]], ref: list[list[int]], other: 
     return {"identical": len(prompts) - c["mismatched_requests"], "real_mismatches": real, **c}
 
 
-def one_export(name: str, export: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """serve, vLLM and transformers on one export: a row per engine."""
+def serve_greedy(export: Path, prompts: list[list[int]], n: int, dtype: str) -> tuple[Any, list[list[int]]]:
+    """serve's engine on `export` in `dtype` and its greedy continuations (EOS ignored). int4 layers
+    take float activations: serve's int8-activation path is its own approximation, not the format's."""
     from serve import LLM, SamplingParams
 
+    llm = LLM(export, dtype=dtype, kv_cache_memory_gb=1.0, int4_activations="float")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return llm, [o.token_ids for o in outs]
+
+
+def one_export(name: str, export: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """serve, vLLM (in `--dtype`) and transformers (float32, against serve float32) on one export."""
     prompts = prompts_for(export, args.prompts, args.prompt_tokens)
-    llm = LLM(export, dtype=args.dtype, kv_cache_memory_gb=1.0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    ref = [o.token_ids for o in llm.generate(prompts, params)]
+    llm, ref = serve_greedy(export, prompts, args.max_tokens, args.dtype)
     rows = [{"export": name, "engine": "serve", "dtype": args.dtype, "loads": True, "identical": len(prompts)}]
-    requests = [[p, args.max_tokens] for p in prompts]
     if "vllm" not in args.skip:
+        requests = [[p, args.max_tokens] for p in prompts]
         res = run_vllm(export, args.dtype, [{"name": "greedy", "requests": requests}], args)
         row = {"export": name, "engine": f"vLLM CPU {res.get('vllm', '')}".strip(), "dtype": args.dtype}
         if "error" in res:
             rows.append({**row, "loads": False, "error": res["error"][-600:]})
         else:
-            rows.append(
-                {**row, "loads": True, **compare(llm, prompts, ref, res["jobs"]["greedy"]["outputs"], args.tol)}
-            )
+            outs = res["jobs"]["greedy"]["outputs"]
+            rows.append({**row, "loads": True, **compare(llm, prompts, ref, outs, args.tol)})
     if "transformers" not in args.skip:
+        del llm
+        llm, ref = serve_greedy(export, prompts, args.max_tokens, "float32")
         row = {"export": name, "engine": "transformers" + (" (dequantized)" if is_quantized(export) else "")}
         try:
-            outs = transformers_greedy(export, prompts, args.max_tokens, DTYPES[args.dtype])
-            rows.append({**row, "dtype": args.dtype, "loads": True, **compare(llm, prompts, ref, outs, args.tol)})
+            outs = transformers_greedy(export, prompts, args.max_tokens, torch.float32)
+            rows.append({**row, "dtype": "float32", "loads": True, **compare(llm, prompts, ref, outs, args.tol)})
         except Exception as exc:  # a failing loader is a row of the table, not the end of the run
-            rows.append({**row, "dtype": args.dtype, "loads": False, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append({**row, "dtype": "float32", "loads": False, "error": f"{type(exc).__name__}: {exc}"})
     return rows
 
 
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path, help="a recipe's run directory, e.g. runs/arabic-tiny")
     p.add_argument("--exports", default="yarn,gptq,awq", help="stage ids of the exports to load (comma list)")
     p.add_argument("--gguf", default="gguf", help="the quantize.gguf stage id ('' to leave out)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="vLLM refuses float32 for GPTQ")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="vLLM refuses float32 for GPTQ")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=24)

@@ -39,7 +39,10 @@ def quantization_config(
             "bits": bits,
             "group_size": group_size,
             "sym": sym,
-            "desc_act": bool(extra.get("desc_act", False)),
+            # desc_act tells loaders the groups follow a permutation (g_idx); act-order with static
+            # groups rounds columns in that order but keeps group i // group_size, so the checkpoint
+            # is a plain sequential one (vLLM 0.32 refuses desc_act: true outright)
+            "desc_act": bool(extra.get("desc_act", False)) and not extra.get("static_groups", False),
             "checkpoint_format": "gptq",
             "lm_head": False,
         }

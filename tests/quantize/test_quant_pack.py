@@ -134,10 +134,13 @@ def test_quantization_config_carries_the_keys_loaders_read() -> None:
         "quant_method": "gptq",
         "bits": 4,
         "group_size": 128,
-        "desc_act": True,
+        "desc_act": False,  # act-order with static groups: g_idx is i // 128, a sequential checkpoint
         "sym": True,
         "checkpoint_format": "gptq",
     }
+    assert gptq["static_groups"] is True
+    permuted = quantization_config("gptq", 4, 128, True, [], {"desc_act": True, "static_groups": False})
+    assert permuted["desc_act"] is True
     assert "dynamic" not in gptq and gptq["modules_to_not_convert"] is None
     awq = quantization_config("awq", 4, 64, False, ["model.layers.0.mlp.down_proj"], {})
     assert {k: awq[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {

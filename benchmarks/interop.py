@@ -93,29 +93,54 @@ def serve_greedy(export: Path, prompts: list[list[int]], n: int, dtype: str) -> 
     return llm, [o.token_ids for o in outs]
 
 
+def failed(row: dict[str, Any], exc: Exception | str) -> dict[str, Any]:
+    """A row for an engine that did not load the export (a row of the table, not the end of the run)."""
+    return {**row, "loads": False, "error": exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"}
+
+
+def compared(
+    row: dict[str, Any], serve: tuple[Any, list[list[int]]] | None, prompts: list, outs: list, tol: float
+) -> dict:
+    """A loaded engine's row: its outputs against serve's, or only "loads" when serve could not load it."""
+    if serve is None:
+        return {**row, "loads": True, "note": "serve does not load this export: outputs not compared"}
+    return {**row, "loads": True, **compare(serve[0], prompts, serve[1], outs, tol)}
+
+
+def try_serve(export: Path, prompts: list[list[int]], n: int, dtype: str, rows: list, name: str) -> Any:
+    """serve's engine and outputs in `dtype`, or None with a failed row (serve reads GPTQ layouts only)."""
+    try:
+        return serve_greedy(export, prompts, n, dtype)
+    except Exception as exc:  # noqa: BLE001 - the table reports it
+        rows.append(failed({"export": name, "engine": "serve", "dtype": dtype}, exc))
+        return None
+
+
 def one_export(name: str, export: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """serve, vLLM (in `--dtype`) and transformers (float32, against serve float32) on one export."""
     prompts = prompts_for(export, args.prompts, args.prompt_tokens)
-    llm, ref = serve_greedy(export, prompts, args.max_tokens, args.dtype)
-    rows = [{"export": name, "engine": "serve", "dtype": args.dtype, "loads": True, "identical": len(prompts)}]
+    rows: list[dict[str, Any]] = []
+    serve = try_serve(export, prompts, args.max_tokens, args.dtype, rows, name)
+    if serve is not None:
+        rows.append({"export": name, "engine": "serve", "dtype": args.dtype, "loads": True, "identical": len(prompts)})
     if "vllm" not in args.skip:
         requests = [[p, args.max_tokens] for p in prompts]
         res = run_vllm(export, args.dtype, [{"name": "greedy", "requests": requests}], args)
         row = {"export": name, "engine": f"vLLM CPU {res.get('vllm', '')}".strip(), "dtype": args.dtype}
         if "error" in res:
-            rows.append({**row, "loads": False, "error": res["error"][-600:]})
+            rows.append(failed(row, res["error"][-600:]))
         else:
-            outs = res["jobs"]["greedy"]["outputs"]
-            rows.append({**row, "loads": True, **compare(llm, prompts, ref, outs, args.tol)})
+            rows.append(compared(row, serve, prompts, res["jobs"]["greedy"]["outputs"], args.tol))
     if "transformers" not in args.skip:
-        del llm
-        llm, ref = serve_greedy(export, prompts, args.max_tokens, "float32")
+        del serve
+        serve = try_serve(export, prompts, args.max_tokens, "float32", [], name)
         row = {"export": name, "engine": "transformers" + (" (dequantized)" if is_quantized(export) else "")}
+        row["dtype"] = "float32"
         try:
             outs = transformers_greedy(export, prompts, args.max_tokens, torch.float32)
-            rows.append({**row, "dtype": "float32", "loads": True, **compare(llm, prompts, ref, outs, args.tol)})
-        except Exception as exc:  # a failing loader is a row of the table, not the end of the run
-            rows.append({**row, "dtype": "float32", "loads": False, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append(compared(row, serve, prompts, outs, args.tol))
+        except Exception as exc:  # noqa: BLE001 - the table reports it
+            rows.append(failed(row, exc))
     return rows
 
 
@@ -158,7 +183,10 @@ def print_table(rows: list[dict[str, Any]], n: int) -> None:
     for r in rows:
         cells = [r.get(k, "") for k in ("identical", "near_tie_flips", "real_mismatches")]
         if not r["loads"]:
-            cells = ["error: " + r["error"].splitlines()[-1][:80], "", ""]
+            lines = [line.strip() for line in r["error"].splitlines() if line.strip()]
+            cells = ["error: " + next((x for x in lines if "Value error" in x), lines[-1])[:120], "", ""]
+        elif "note" in r:
+            cells = [r["note"], "", ""]
         print(
             f"| {r['export']} | {r['engine']} | {r['dtype']} | {'yes' if r['loads'] else 'no'} | "
             + " | ".join(str(c) for c in cells)

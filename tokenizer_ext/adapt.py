@@ -8,12 +8,11 @@ tokenizer. Bits per character on held-out text compares them across tokenizers; 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizer_ext import chat_quality, embed, quality
+from tokenizer_ext import chat_quality, embed, mix, quality
 from warsha.precision import compute_dtype
 
 if TYPE_CHECKING:
@@ -76,17 +75,19 @@ def replay_rows(p: "AdaptParams") -> int:
     return round(p.train.batch_size * p.replay_fraction) if p.replay_fraction else 0
 
 
-def replay_loss(p: "AdaptParams") -> Any:
-    """The training loss: next-token loss on the corpus windows, plus ``replay_weight`` times the
-    cross-entropy against the base's distributions on the replay sequences, each weighted by its
-    share of the batch (so without replay this is the plain causal-LM loss)."""
+def replay_loss(p: "AdaptParams", corpus_loss: Any = None) -> Any:
+    """The training loss: ``corpus_loss`` on the corpus windows (the next-token loss unless a
+    distillation loss is given), plus ``replay_weight`` times the cross-entropy against the base's
+    distributions on the replay sequences, each weighted by its share of the batch (so without
+    replay this is ``corpus_loss`` alone)."""
     from warsha.lm_loss import causal_lm_loss, soft_lm_loss
 
+    corpus_loss = corpus_loss or causal_lm_loss
     n_rep = replay_rows(p)
     share = n_rep / p.train.batch_size
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
-        loss = causal_lm_loss(model, {"input_ids": batch["input_ids"]})
+        loss = corpus_loss(model, {k: v for k, v in batch.items() if not k.startswith(REPLAY)})
         if not n_rep:
             return loss
         soft = soft_lm_loss(model, {k[len(REPLAY) :]: v for k, v in batch.items() if k.startswith(REPLAY)})
@@ -140,20 +141,8 @@ def base_model_dir(ctx: "StageContext", side: dict[str, Any]) -> Path:
 
 
 def training_texts(corpus: Any, p: "AdaptParams", seed: int) -> list[str]:
-    """Target-language train documents plus a ``source_fraction`` share of source text.
-
-    Mixing in the source language is what keeps English from drifting while the model learns
-    the new pieces; the order is shuffled with the run's seed and identical for both runs.
-    """
-    cfg = corpus.config
-    tgt = corpus.texts(cfg.target_lang, "train")
-    if p.train_docs:
-        tgt = tgt[: p.train_docs]
-    share = p.source_fraction
-    n_src = round(len(tgt) * share / (1 - share)) if share < 1 else len(tgt)
-    texts = tgt + corpus.texts(cfg.source_lang, "train")[:n_src]
-    random.Random(seed).shuffle(texts)
-    return texts
+    """The adapt runs' documents: ``mix.mixed_texts`` with the stage's source share and cap."""
+    return mix.mixed_texts(corpus, p.source_fraction, seed, p.train_docs)
 
 
 def adapt_one(
@@ -177,13 +166,17 @@ def adapt_one(
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     corpus = ctx.corpus()
-    stream = pack_documents(tok, training_texts(corpus, p, ctx.seed))
+    texts = training_texts(corpus, p, ctx.seed)
+    stream = pack_documents(tok, texts)
     t = p.train
-
     n_rep = replay_rows(p)
+    windows = _distill_windows(ctx, p, tok, texts) if p.distill_weight else None
 
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
-        batch = {"input_ids": random_windows(stream, t.batch_size - n_rep, t.seq_len, ctx.seed, step, micro, rank)}
+        if windows is not None:
+            batch = windows(t.batch_size - n_rep, f"{ctx.seed}/{step}/{micro}/{rank}")
+        else:
+            batch = {"input_ids": random_windows(stream, t.batch_size - n_rep, t.seq_len, ctx.seed, step, micro, rank)}
         if rep is not None:
             first = ((step * t.grad_accum + micro) * ctx.world_size + rank) * n_rep
             rows = [(first + j) % len(rep.ids) for j in range(n_rep)]
@@ -195,7 +188,8 @@ def adapt_one(
         nll = quality.document_nll(model, tok, sets, p.eval_max_length, set_eval=False)
         return {**curve, **quality.domain_bpc(nll, sets)}
 
-    model, result, extra = _train(TrainJob(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, replay_loss(p)))
+    loss = replay_loss(p, _distill_loss(ctx, p, tok_dir, new_ids) if p.distill_weight else None)
+    model, result, extra = _train(TrainJob(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, loss))
     step = max(1, len(result.losses) // 50)
     metrics: dict[str, Any] = {
         **result.summary(),
@@ -217,6 +211,39 @@ def adapt_one(
         metrics["generation"] = quality.generation_speed(model, tok, quality.prompts(corpus), p.gen_tokens)
     metrics.update(chat_scores(model, tok, corpus, p))
     return metrics
+
+
+def _distill_windows(ctx: "StageContext", p: "AdaptParams", tok: Any, texts: list[str]) -> Any:
+    """``(n, key) -> batch`` of corpus windows under ``tok`` and the base tokenizer, aligned for
+    the cross-tokenizer distillation term (``cross_tok``)."""
+    from transformers import AutoTokenizer
+
+    from tokenizer_ext import cross_tok
+
+    base_tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def make(n: int, key: str) -> dict[str, Any]:
+        return cross_tok.collate(cross_tok.sample_windows(texts, n, tok, base_tok, p.train.seq_len, key), pad)
+
+    return make
+
+
+def _distill_loss(ctx: "StageContext", p: "AdaptParams", tok_dir: Path, new_ids: list[int]) -> Any:
+    """Next-token loss plus ``distill_weight`` times the cross-tokenizer term against the frozen
+    unextended base. The same-budget base run (no new ids) gets the same term, its tokens then
+    aligning one to one: both runs are held to the base alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenizer_ext import cross_tok
+
+    side = embed.read_sidecar(ctx.model_dir, "tokenizer_ext.adapt")
+    teacher = AutoModelForCausalLM.from_pretrained(base_model_dir(ctx, side), dtype=torch.float32)
+    base_n = int(side["base_vocab_size"])
+    sources = embed.base_splits(ctx.model_dir, base_n, base_n + len(new_ids)) if new_ids else []
+    firsts = cross_tok.first_pieces(sources)
+    return cross_tok.loss_fn(teacher, firsts, base_n, p.distill_top_k, p.distill_weight)
 
 
 @dataclass

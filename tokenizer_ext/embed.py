@@ -7,6 +7,11 @@ Yamaguchi et al.). Padding rows (to a multiple of ``pad_to_multiple_of``) get th
 base rows: never an uninitialised row, whatever the resize left there. Under ZeRO-3 the
 partitioned matrices are gathered before rows are written (``modifier_rank=0`` broadcasts
 rank 0's writes back into every partition).
+
+With ``fit.steps`` the initialised rows are then fitted to the base (``fit_rows``): only the
+new rows train, against the base reading the base tokenization of the same text, and the
+report scores the model before the fit (``before_fit``) beside the fitted one
+(``extended_init``).
 """
 
 from __future__ import annotations
@@ -122,6 +127,11 @@ def run(ctx: "StageContext", p: "EmbedParams") -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     side = read_sidecar(ctx.model_dir, "tokenizer_ext.embed")
+    if "padded_vocab_size" in side:
+        raise ValueError(
+            f"tokenizer_ext.embed: {ctx.model_dir} already went through embed (its new rows are set);"
+            " map the tokenizer_ext.extend artifact as this stage's model input"
+        )
     ext_tok = AutoTokenizer.from_pretrained(ctx.model_dir)
     base_n = int(side["base_vocab_size"])
     model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
@@ -146,8 +156,18 @@ def run(ctx: "StageContext", p: "EmbedParams") -> dict[str, Any]:
         "tied": info["tied"],
         "mean_pieces_per_new_row": sum(map(len, sources)) / max(len(sources), 1),
     }
-    if p.eval_docs or p.domain_eval:
-        metrics.update(_compare(ctx, p, model, ext_tok))
+    scoring = bool(p.eval_docs or p.domain_eval)
+    sets = _sets(ctx, p)
+    scores = {"base": _base_scores(ctx, p, sets)} if scoring else {}
+    if p.fit.steps:
+        if scoring:
+            scores["before_fit"] = _scores(ctx, p, model, ext_tok, sets)
+        from tokenizer_ext import fit_rows
+
+        metrics["fit"] = fit_rows.fit(ctx, p, model, ext_tok, base_n, sources)
+    if scoring:
+        scores["extended_init"] = _scores(ctx, p, model, ext_tok, sets)
+        metrics.update(_report(scores, sets))
     if ctx.is_main:
         model.save_pretrained(ctx.out_dir)
         carry_tokenizer(ctx.model_dir, ctx.out_dir, {**side, "padded_vocab_size": target, "init": p.init})
@@ -164,32 +184,52 @@ def carry_tokenizer(src: Path, dst: Path, side: dict[str, Any]) -> None:
     (dst / SIDECAR).write_text(json.dumps(side, indent=2))
 
 
-def _compare(ctx: "StageContext", p: "EmbedParams", model: Any, ext_tok: Any) -> dict[str, Any]:
-    """Base model + base tokenizer against the extended model at init: bits per character on the
-    corpus's held-out text, and on the other-domain sets with their tokens per word."""
+def _sets(ctx: "StageContext", p: "EmbedParams") -> dict[str, list[str]]:
+    """The other-domain held-out sets the stage scores (none when ``domain_eval`` is empty)."""
+    from tokenizer_ext import quality
+
+    return quality.domain_texts(p.domain_eval, p.domain_docs, ctx.corpus()) if p.domain_eval else {}
+
+
+def _base_scores(ctx: "StageContext", p: "EmbedParams", sets: dict[str, list[str]]) -> dict[str, Any]:
+    """The base model on the base tokenizer: the reference every row of the report is set against."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    base_model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
+    base_tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
+    return _scores(ctx, p, base_model, base_tok, sets)
+
+
+def _scores(ctx: "StageContext", p: "EmbedParams", model: Any, tok: Any, sets: dict[str, list[str]]) -> dict[str, Any]:
+    """One model's bits per character on the corpus's held-out text, per-document NLLs on the
+    other-domain sets and its tokens per word there."""
     from tokenizer_ext import quality
     from warsha.evaluate import fertility, hf_encoder
 
-    base_model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
-    base_tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
-    corpus = ctx.corpus()
-    models = {"base": (base_model, base_tok), "extended_init": (model, ext_tok)}
     out: dict[str, Any] = {}
     if p.eval_docs:
-        out["bits_per_char"] = {
-            name: quality.bits_per_char(m, tok, corpus, p.eval_docs, p.eval_max_length)
-            for name, (m, tok) in models.items()
+        out["bits_per_char"] = quality.bits_per_char(model, tok, ctx.corpus(), p.eval_docs, p.eval_max_length)
+    if sets:
+        out["nll"] = quality.document_nll(model, tok, sets, p.eval_max_length)
+        out["tokens_per_word"] = {
+            name: fertility(hf_encoder(tok), texts).tokens_per_word for name, texts in sets.items()
         }
-    if p.domain_eval:
-        sets = quality.domain_texts(p.domain_eval, p.domain_docs, corpus)
-        scores = {name: quality.document_nll(m, tok, sets, p.eval_max_length) for name, (m, tok) in models.items()}
-        report = quality.domain_report(scores, sets, reference="base")
+    return out
+
+
+def _report(scores: dict[str, dict[str, Any]], sets: dict[str, list[str]]) -> dict[str, Any]:
+    """Every scored model against the base: bits per character, and on the other-domain sets the
+    paired change per document (``quality.domain_report``) with tokens per word."""
+    from tokenizer_ext import quality
+
+    out: dict[str, Any] = {}
+    if any("bits_per_char" in s for s in scores.values()):
+        out["bits_per_char"] = {name: s["bits_per_char"] for name, s in scores.items()}
+    if sets:
+        report = quality.domain_report({name: s["nll"] for name, s in scores.items()}, sets, reference="base")
         report["tokens_per_word"] = {
-            name: {who: fertility(hf_encoder(tok), texts).tokens_per_word for who, (_, tok) in models.items()}
-            for name, texts in sets.items()
+            name: {who: s["tokens_per_word"][name] for who, s in scores.items()} for name in sets
         }
         out["other_domains"] = report
     return out

@@ -71,6 +71,20 @@ class EmbedParams(DomainEval):
     )
     eval_docs: int = field(default=64, metadata=check(ge(0), help="held-out docs for bits per char (0 = skip)"))
     eval_max_length: int = field(default=256, metadata=check(ge(8)))
+    fit: TrainParams = field(
+        default_factory=lambda: TrainParams(steps=0, batch_size=4, seq_len=256, lr=1e-3, warmup_steps=2),
+    )
+    fit_distill_weight: float = field(
+        default=1.0,
+        metadata=check(ge(0.0), help="fit: weight of the cross-tokenizer term against the base (0 = next-token only)"),
+    )
+    fit_nll_weight: float = field(
+        default=1.0, metadata=check(ge(0.0), help="fit: weight of the next-token loss on the extended tokens")
+    )
+    fit_top_k: int = field(default=32, metadata=check(ge(1), help="fit: base tokens kept per aligned position"))
+    fit_source_fraction: float = field(
+        default=0.25, metadata=check(ge(0.0), le(0.9), help="fit: share of source-language documents in the text")
+    )
 
 
 @dataclass
@@ -118,6 +132,15 @@ class AdaptParams(DomainEval):
     )
     replay_weight: float = field(default=1.0, metadata=check(gt(0.0), help="weight of the replay (distillation) loss"))
     replay_top_k: int = field(default=32, metadata=check(ge(1), help="teacher tokens kept per replay position"))
+    distill_weight: float = field(
+        default=0.0,
+        metadata=check(
+            ge(0.0),
+            help="weight of the cross-tokenizer distillation term against the frozen base on the corpus"
+            " windows (tokenizer_ext.cross_tok; 0 = off); the same-budget base gets the same term",
+        ),
+    )
+    distill_top_k: int = field(default=32, metadata=check(ge(1), help="base tokens kept per aligned position"))
     lora_layers: list[int] | None = field(
         default=None, metadata=check(help="qlora: decoder layers that get LoRA (null = all; e.g. first and last two)")
     )
@@ -137,6 +160,8 @@ class AdaptParams(DomainEval):
             problems.append("offload_optimizer: needs a deepspeed config")
         if self.full_embeddings and self.mode != "qlora":
             problems.append("full_embeddings: only for mode qlora (full/embeddings train whole matrices)")
+        if self.distill_weight and self.deepspeed:
+            problems.append("distill_weight: the distillation term runs in the Trainer, not under DeepSpeed yet")
         if self.replay_fraction and self.deepspeed:
             problems.append("replay_fraction: the replay loss runs in the Trainer, not under DeepSpeed yet")
         if self.replay_fraction and round(self.train.batch_size * self.replay_fraction) == 0:
@@ -164,7 +189,7 @@ STAGES: dict[str, StageDef] = {
         name="tokenizer_ext.embed",
         params=EmbedParams,
         entry="tokenizer_ext.embed:run",
-        description="resize embeddings and LM head; initialise new rows from their base pieces",
+        description="resize embeddings and LM head; initialise new rows, optionally fit them to the base",
     ),
     "adapt": StageDef(
         name="tokenizer_ext.adapt",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -123,3 +124,29 @@ def sp_embedded_dir(tmp_path_factory: pytest.TempPathFactory, sp_extended_dir: P
     ctx = make_ctx(tmp, sp_extended_dir, corpus, "embed")
     embed.run(ctx, EmbedParams(eval_docs=0, domain_eval=[]))
     return ctx.out_dir
+
+
+@pytest.fixture(scope="session")
+def trained_base(tmp_path_factory: pytest.TempPathFactory, sp_extended_dir: Path, corpus: Any) -> Path:
+    """``extend``'s output with a base that has learnt something (a random one predicts nearly
+    uniformly, which leaves a fit nothing to match): 80 steps on the corpus, base tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from warsha.training import pack_documents, random_windows
+
+    out = tmp_path_factory.mktemp("trained_base") / "extend.out"
+    shutil.copytree(sp_extended_dir, out)
+    side = json.loads((out / "tokenizer_ext.json").read_text())
+    (out / "tokenizer_ext.json").write_text(json.dumps({**side, "base_model": str(out)}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    stream = pack_documents(AutoTokenizer.from_pretrained(out / "base_tokenizer"), corpus.texts("ar", "train")[:300])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(80):
+        ids = random_windows(stream, 8, 64, 0, step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)
+    return out

@@ -264,3 +264,83 @@ def test_replay_options_are_checked() -> None:
         "no corpus sequence" in q for q in AdaptParams(train=TrainParams(batch_size=2), replay_fraction=0.9).validate()
     )
     assert any("lora_layers" in q for q in AdaptParams(mode="full", lora_layers=[0]).validate())
+
+
+@pytest.fixture(scope="module")
+def trained_embedded(tmp_path_factory: pytest.TempPathFactory, trained_base: Path, corpus: Any) -> Path:
+    """``embed`` (subword mean) over the trained base: where the distillation tests start."""
+    from tokenizer_ext import embed
+    from tokenizer_ext.stages import EmbedParams
+
+    ctx = make_ctx(tmp_path_factory.mktemp("trained_embedded"), trained_base, corpus, "embed")
+    embed.run(ctx, EmbedParams(eval_docs=0, domain_eval=[]))
+    return ctx.out_dir
+
+
+def _distance_to_base(model_dir: Path, base_dir: Path, corpus: Any) -> float:
+    """Held-out cross-tokenizer distillation loss of a saved model against its base."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenizer_ext import cross_tok, embed
+
+    ext_tok, base_tok = (
+        AutoTokenizer.from_pretrained(model_dir),
+        AutoTokenizer.from_pretrained(base_dir / "base_tokenizer"),
+    )
+    windows = cross_tok.sample_windows(corpus.texts("ar", "validation")[:30], 8, ext_tok, base_tok, 48, seed=9)
+    batch = cross_tok.collate(windows, 0)
+    firsts = cross_tok.first_pieces(embed.base_splits(model_dir, 32000, len(ext_tok)))
+    teacher = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return float(cross_tok.loss_fn(teacher, firsts, 32000, 8, 1.0, nll_weight=0.0)(model, batch))
+
+
+def test_distillation_holds_the_extended_model_to_its_base(
+    tmp_path: Path, trained_embedded: Path, trained_base: Path, corpus: Any
+) -> None:
+    """The same budget with the cross-tokenizer term ends nearer the base than without it."""
+    train = TrainParams(**{**TINY, "steps": 8, "batch_size": 4, "lr": 2e-2})
+    distance = {}
+    for weight in (0.0, 3.0):
+        ctx = make_ctx(tmp_path, trained_embedded, corpus, f"adapt{weight}")
+        p = AdaptParams(
+            train=train,
+            distill_weight=weight,
+            distill_top_k=8,
+            compare_base=False,
+            eval_docs=1,
+            eval_max_length=32,
+            gen_tokens=0,
+            train_docs=40,
+            domain_eval=[],
+            chat_tokens=0,
+        )
+        adapt.run(ctx, p)
+        distance[weight] = _distance_to_base(ctx.out_dir, trained_base, corpus)
+    assert distance[3.0] < 0.95 * distance[0.0], distance
+
+
+def test_distillation_with_replay_and_the_same_budget_base(
+    tmp_path: Path, trained_embedded: Path, trained_base: Path, corpus: Any
+) -> None:
+    """Both runs take the term (the base's tokens align one to one with its own); replay mixes in."""
+    ctx = make_ctx(tmp_path, trained_embedded, corpus, "adapt", base=trained_base)
+    p = AdaptParams(
+        train=TrainParams(**{**TINY, "batch_size": 4}),
+        distill_weight=1.0,
+        distill_top_k=4,
+        replay_fraction=0.25,
+        replay_top_k=4,
+        eval_docs=1,
+        eval_max_length=32,
+        gen_tokens=0,
+        train_docs=20,
+        domain_eval=[],
+    )
+    m = adapt.run(ctx, p)
+    assert m["extended"]["steps_run"] == m["base_same_budget"]["steps_run"] == 2
+    assert all(torch.isfinite(torch.tensor(m[k]["loss_curve"])).all() for k in ("extended", "base_same_budget"))
+    assert any(
+        "distill_weight" in q for q in AdaptParams(distill_weight=1.0, mode="full", deepspeed="x.json").validate()
+    )

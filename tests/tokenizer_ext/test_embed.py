@@ -154,3 +154,10 @@ def test_init_scale_shrinks_only_the_new_rows(
     torch.testing.assert_close(shrunk[:32000], full[:32000])
     torch.testing.assert_close(shrunk[32000:n], 0.6 * full[32000:n])
     torch.testing.assert_close(shrunk[n:], full[n:])
+
+
+def test_an_embedded_model_is_refused_as_input(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
+    """Its rows are set already, and its weights are no base for the fit's teacher."""
+    ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, "embed")
+    with pytest.raises(ValueError, match="already went through embed.*tokenizer_ext.extend"):
+        embed.run(ctx, EmbedParams(eval_docs=0, domain_eval=[]))

@@ -1,0 +1,233 @@
+"""Cross-tokenizer distillation: the base model, reading the base tokenization of a text, teaches
+the extended model reading the extended tokenization of the same text.
+
+Why: a new piece is a single token where the base read several, so the extended model cannot
+copy the base's distributions token by token. Both tokenizers share the normaliser, though, so
+a token's end offset says how much of the text a model has read. Where the extended model has
+read exactly what the base has read (its token ends where a base token ends), the base's
+next-token distribution says which base token comes next. The extended model writes that
+either as the base token itself or as a new piece whose text starts with it (the first id of
+the piece's base split). Summing the extended model's probabilities over a base token and the
+new pieces that start with it gives its probability of the base's next token, and the loss is
+the cross-entropy of that against the base's top-``k`` distribution (the aggregated teacher of
+cross-tokenizer distillation, exact for the first base token of what follows). The ordinary
+next-token loss on the extended tokens decides how that mass splits between a base token and
+its longer pieces.
+
+This is what fits new rows "so the model reading a new piece behaves as reading its subword
+sequence" (issue 44): it scores a new piece both as input (what the model predicts after it)
+and as output (how much probability it takes from the base token it starts with).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CHUNK_ROWS = 256  # aligned positions per checkpointed chunk: a few [rows, vocab] float32 blocks
+
+
+def first_pieces(sources: Sequence[Sequence[int]]) -> torch.Tensor:
+    """For the i-th new id: the base id its text starts with (``-1`` when its base split is
+    empty). ``sources`` is ``embed.base_splits``' output for the new ids, in id order."""
+    return torch.tensor([ids[0] if ids else -1 for ids in sources] or [], dtype=torch.long)
+
+
+def aligned_pairs(ext_ends: Sequence[int], base_ends: Sequence[int]) -> list[tuple[int, int]]:
+    """``(i, j)``: extended position ``i`` and base position ``j`` end at the same character.
+
+    Ends are each token's end offset in the text (the BOS at 0). Where several tokens end at one
+    offset (a zero-width token), the last of them is taken: it has read the most.
+    """
+    ext_last = {end: i for i, end in enumerate(ext_ends)}
+    base_last = {end: j for j, end in enumerate(base_ends)}
+    return sorted((i, base_last[end]) for end, i in ext_last.items() if end in base_last)
+
+
+@dataclass
+class Window:
+    """One training text under both tokenizers, BOS first, and the positions where they align."""
+
+    ext_ids: list[int]
+    base_ids: list[int]
+    pairs: list[tuple[int, int]]
+
+
+def _ids_and_ends(tok: Any, text: str) -> tuple[list[int], list[int]]:
+    """BOS then ``text``'s ids, with each token's end offset (the BOS ends at 0)."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    return bos + list(enc["input_ids"]), [0] * len(bos) + [end for _, end in enc["offset_mapping"]]
+
+
+def window(text: str, ext_tok: Any, base_tok: Any, seq_len: int) -> Window:
+    """The longest prefix of ``text`` that fits ``seq_len`` extended tokens (BOS included), cut at
+    an extended token's end, tokenized by both tokenizers."""
+    ids, ends = _ids_and_ends(ext_tok, text)
+    cut = text[: ends[min(seq_len, len(ends)) - 1]]
+    ext_ids, ext_ends = _ids_and_ends(ext_tok, cut)
+    base_ids, base_ends = _ids_and_ends(base_tok, cut)
+    ext_ids, ext_ends = ext_ids[:seq_len], ext_ends[:seq_len]  # re-encoding a prefix may merge differently
+    return Window(ext_ids, base_ids, aligned_pairs(ext_ends, base_ends))
+
+
+def start_offsets(text: str) -> list[int]:
+    """Where a window may start: the text's start and every word after a space, so that the window
+    reads like a document start to both tokenizers (a SentencePiece dummy prefix included)."""
+    return [0] + [i + 1 for i, ch in enumerate(text[:-1]) if ch == " " and text[i + 1] != " "]
+
+
+def sample_windows(
+    texts: Sequence[str], n: int, ext_tok: Any, base_tok: Any, seq_len: int, seed: int | str
+) -> list[Window]:
+    """``n`` windows of random documents from random word boundaries, a pure function of ``seed``
+    (a resumed run sees the same batches)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = texts[rng.randrange(len(texts))]
+        starts = start_offsets(text)
+        start = starts[rng.randrange(max(1, len(starts) // 2))]  # the first half, so the window is not tiny
+        out.append(window(text[start:], ext_tok, base_tok, seq_len))
+    return out
+
+
+def collate(windows: Sequence[Window], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: ``input_ids``/``labels`` (-100 on padding), ``base_ids`` and
+    ``base_mask``, and ``pairs`` [B, P, 2] padded with -1."""
+    b = len(windows)
+    length = max(len(w.ext_ids) for w in windows)
+    base_len = max(len(w.base_ids) for w in windows)
+    n_pairs = max(1, max(len(w.pairs) for w in windows))
+    ids = torch.full((b, length), pad_id, dtype=torch.long)
+    labels = torch.full((b, length), -100, dtype=torch.long)
+    base = torch.full((b, base_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, base_len), dtype=torch.long)
+    pairs = torch.full((b, n_pairs, 2), -1, dtype=torch.long)
+    for r, w in enumerate(windows):
+        ids[r, : len(w.ext_ids)] = torch.tensor(w.ext_ids)
+        labels[r, : len(w.ext_ids)] = torch.tensor(w.ext_ids)
+        base[r, : len(w.base_ids)] = torch.tensor(w.base_ids)
+        mask[r, : len(w.base_ids)] = 1
+        if w.pairs:
+            pairs[r, : len(w.pairs)] = torch.tensor(w.pairs)
+    return {"input_ids": ids, "labels": labels, "base_ids": base, "base_mask": mask, "pairs": pairs}
+
+
+def aggregated_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    firsts: torch.Tensor,
+    first_new: int,
+    teacher_ids: torch.Tensor,
+    teacher_probs: torch.Tensor,
+) -> torch.Tensor:
+    """Mean over rows of ``-sum_k p_k log q'(b_k)``, where ``q`` is ``softmax(hidden @ weight.T)``
+    over the extended vocabulary and ``q'(b) = q(b) + sum of q(v) over new ids v whose first base
+    id is b`` (``firsts[v - first_new]``). Rows of ``weight`` past the new ids (padding) take
+    probability but belong to no base id. Chunks are checkpointed: memory is a few
+    ``[CHUNK_ROWS, vocab]`` blocks whatever the number of rows."""
+    from torch.utils.checkpoint import checkpoint
+
+    cols = _new_columns(firsts, first_new, hidden.device)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, hidden.shape[0], CHUNK_ROWS):
+        e = min(s + CHUNK_ROWS, hidden.shape[0])
+        chunk = (hidden[s:e], weight, *cols, first_new, teacher_ids[s:e], teacher_probs[s:e])
+        total = total + checkpoint(_chunk_ce, *chunk, use_reentrant=False)
+    return total / max(hidden.shape[0], 1)
+
+
+def _new_columns(firsts: torch.Tensor, first_new: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the new ids that start with a base id, those base ids), on ``device``."""
+    keep = torch.nonzero(firsts >= 0).squeeze(1)
+    return (keep + first_new).to(device), firsts[keep].to(device)
+
+
+def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, *rest: Any) -> torch.Tensor:
+    """The summed cross-entropy of one chunk of hidden states (see ``aggregated_ce``)."""
+    return logits_ce(torch.mm(hidden, weight.t()), *rest)
+
+
+def logits_ce(
+    logits: torch.Tensor,
+    new_cols: torch.Tensor,
+    new_firsts: torch.Tensor,
+    first_new: int,
+    teacher_ids: torch.Tensor,
+    teacher_probs: torch.Tensor,
+) -> torch.Tensor:
+    """Summed ``-sum_k p_k log q'(b_k)`` over the rows of ``logits`` [rows, vocab] (``aggregated_ce``)."""
+    probs = torch.softmax(logits.float(), -1)
+    grouped = probs[:, :first_new].index_add(1, new_firsts, probs.index_select(1, new_cols))
+    picked = grouped.gather(1, teacher_ids).clamp_min(1e-30)
+    return -(picked.log() * teacher_probs.float()).sum()
+
+
+def _hidden_and_head(model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
+    """Final hidden states and the head weight the model multiplies them by (a plain head), or
+    ``(None, logits)`` for a family whose forward transforms logits after the head."""
+    from warsha.lm_loss import plain_head
+
+    parts = plain_head(model)
+    if parts is None:
+        return None, model(input_ids=ids, attention_mask=mask).logits
+    decoder, head = parts
+    return head.weight, decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def teacher_top(teacher: Any, batch: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base's top-``k`` next-token ids and renormalised probabilities at every aligned pair's
+    base position, in the order of ``pairs`` (padding pairs dropped)."""
+    pairs = batch["pairs"]
+    rows, cols = torch.nonzero(pairs[..., 0] >= 0, as_tuple=True)
+    with torch.no_grad():
+        head, out = _hidden_and_head(teacher, batch["base_ids"], batch["base_mask"])
+        picked = out[rows, pairs[rows, cols, 1]]
+        logits = picked if head is None else torch.mm(picked, head.t())
+        values, ids = torch.topk(logits.float(), k, -1)
+    return ids, torch.softmax(values, -1)
+
+
+def loss_fn(
+    teacher: Any, firsts: torch.Tensor, first_new: int, k: int, distill_weight: float, nll_weight: float = 1.0
+) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]:
+    """The training loss: ``nll_weight`` times the next-token loss on the extended tokens plus
+    ``distill_weight`` times the aggregated cross-entropy against ``teacher`` at the aligned
+    positions (each term skipped at weight 0)."""
+    from warsha.lm_loss import IGNORE_INDEX, linear_cross_entropy
+
+    teacher.eval()
+    for q in teacher.parameters():
+        q.requires_grad_(False)
+
+    def fn(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        weight, out = _hidden_and_head(model, batch["input_ids"])
+        loss = out.new_zeros((), dtype=torch.float32)
+        if nll_weight:
+            targets = batch["labels"][:, 1:]
+            keep = targets != IGNORE_INDEX
+            if weight is None:  # logits already: the family transforms them after the head
+                nll = torch.nn.functional.cross_entropy(out[:, :-1][keep].float(), targets[keep])
+            else:
+                h = out[:, :-1][keep]
+                nll = linear_cross_entropy(h, weight, targets[keep], torch.ones(len(h), device=h.device))
+            loss = loss + nll_weight * nll
+        if distill_weight:
+            t_ids, t_probs = teacher_top(teacher, batch, k)
+            pairs = batch["pairs"]
+            rows, cols = torch.nonzero(pairs[..., 0] >= 0, as_tuple=True)
+            at = out[rows, pairs[rows, cols, 0]]
+            if weight is None:
+                cols_new = _new_columns(firsts, first_new, at.device)
+                distill = logits_ce(at, *cols_new, first_new, t_ids, t_probs) / max(len(at), 1)
+            else:
+                distill = aggregated_ce(at, weight, firsts, first_new, t_ids, t_probs)
+            loss = loss + distill_weight * distill
+        return loss
+
+    return fn

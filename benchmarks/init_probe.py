@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.serve_bench import write_results
 from tokenizer_ext import embed, quality
 from warsha.data import DataConfig, load_corpus
 from warsha.domains import DOMAINS
@@ -82,10 +82,7 @@ def main() -> None:
     print(f"|---|{'---|' * len(sets)}")
     for name, row in results.items():
         print(f"| {name} | " + " | ".join(f"{v['change']:+.1%} ({v['se']:.1%})" for v in row.values()) + " |")
-    out = Path("benchmarks/results") / f"init_probe-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"run": str(args.run), "docs": args.docs, "results": results}, indent=1))
-    print(f"wrote {out}")
+    write_results("init_probe", {"run": str(args.run), "docs": args.docs, "results": results})
 
 
 if __name__ == "__main__":

@@ -358,10 +358,11 @@ def _train_qlora(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def _slow_base_rows(model: Any, p: "AdaptParams", new_ids: list[int]) -> Any:
-    """The optimizer hook that moves the base vocabulary's rows at ``base_rows_lr_scale`` times
-    the learning rate (None when every row takes the full rate). Without new ids (the
-    same-budget base run) every row is a base row, so both runs treat the base vocabulary alike."""
-    if not p.full_embeddings or p.base_rows_lr_scale == 1.0:
+    """The optimizer hook that moves the base vocabulary's rows at ``base_rows_lr_scale`` and the
+    new rows at ``new_rows_lr_scale`` times the learning rate (None when every row takes the
+    full rate). Without new ids (the same-budget base run) every row is a base row, so both runs
+    treat the base vocabulary alike."""
+    if not p.full_embeddings or (p.base_rows_lr_scale == 1.0 and p.new_rows_lr_scale == 1.0):
         return None
     from tokenizer_ext import qlora, row_lr
 
@@ -370,7 +371,10 @@ def _slow_base_rows(model: Any, p: "AdaptParams", new_ids: list[int]) -> Any:
 
     def hook(opt: Any) -> None:
         for weight in weights:
-            row_lr.scale_leading_rows(opt, weight, first_new, p.base_rows_lr_scale)
+            if p.base_rows_lr_scale != 1.0:
+                row_lr.scale_rows(opt, weight, 0, first_new, p.base_rows_lr_scale)
+            if p.new_rows_lr_scale != 1.0:
+                row_lr.scale_rows(opt, weight, first_new, None, p.new_rows_lr_scale)
 
     return hook
 

@@ -75,24 +75,22 @@ def window(text: str, ext_tok: Any, base_tok: Any, seq_len: int) -> Window:
     return Window(ext_ids, base_ids, aligned_pairs(ext_ends, base_ends))
 
 
-def start_offsets(text: str) -> list[int]:
-    """Where a window may start: the text's start and every word after a space, so that the window
-    reads like a document start to both tokenizers (a SentencePiece dummy prefix included)."""
-    return [0] + [i + 1 for i, ch in enumerate(text[:-1]) if ch == " " and text[i + 1] != " "]
+CHARS_PER_TOKEN = 8  # more text than any tokenizer here needs for a token: windows come out full
 
 
 def sample_windows(
     texts: Sequence[str], n: int, ext_tok: Any, base_tok: Any, seq_len: int, seed: int | str
 ) -> list[Window]:
-    """``n`` windows of random documents from random word boundaries, a pure function of ``seed``
-    (a resumed run sees the same batches)."""
+    """``n`` windows, each random documents joined by newlines until it holds ``seq_len``
+    extended tokens (documents are shorter than a window: one alone would leave most of it
+    padding), a pure function of ``seed`` (a resumed run sees the same batches)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        text = texts[rng.randrange(len(texts))]
-        starts = start_offsets(text)
-        start = starts[rng.randrange(max(1, len(starts) // 2))]  # the first half, so the window is not tiny
-        out.append(window(text[start:], ext_tok, base_tok, seq_len))
+        docs: list[str] = []
+        while sum(map(len, docs)) < seq_len * CHARS_PER_TOKEN and len(docs) < len(texts):
+            docs.append(texts[rng.randrange(len(texts))])
+        out.append(window("\n".join(docs), ext_tok, base_tok, seq_len))
     return out
 
 

@@ -17,25 +17,31 @@ from typing import Any
 
 
 def scale_leading_rows(optimizer: Any, weight: Any, rows: int, scale: float) -> None:
-    """Make ``optimizer`` move ``weight[:rows]`` by ``scale`` times its own step from now on.
+    """Make ``optimizer`` move ``weight[:rows]`` by ``scale`` times its own step from now on."""
+    scale_rows(optimizer, weight, 0, rows, scale)
+
+
+def scale_rows(optimizer: Any, weight: Any, start: int, end: int | None, scale: float) -> None:
+    """Make ``optimizer`` move ``weight[start:end]`` by ``scale`` times its own step from now on.
 
     ``optimizer`` is the torch optimizer itself (hooks on a wrapper such as accelerate's would
-    fire also on the steps gradient accumulation skips). ``rows`` is clipped to the weight's.
+    fire also on the steps gradient accumulation skips). The range is clipped to the weight's
+    rows (``end`` None: to the last row).
     """
     import torch
 
     if not 0.0 <= scale <= 1.0:
         raise ValueError(f"row learning-rate scale must be in [0, 1], got {scale}")
-    rows = min(rows, weight.shape[0])
+    rows = slice(min(start, weight.shape[0]), weight.shape[0] if end is None else min(end, weight.shape[0]))
     saved: list[torch.Tensor] = []
 
     def before(*_: Any) -> None:
-        saved.append(weight.detach()[:rows].clone())
+        saved.append(weight.detach()[rows].clone())
 
     def after(*_: Any) -> None:
         old = saved.pop()
         with torch.no_grad():
-            weight[:rows].sub_(old).mul_(scale).add_(old)  # old + scale * (stepped - old)
+            weight[rows].sub_(old).mul_(scale).add_(old)  # old + scale * (stepped - old)
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)

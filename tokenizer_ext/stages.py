@@ -108,6 +108,14 @@ class AdaptParams(DomainEval):
             help="full_embeddings: learning-rate multiplier for the base vocabulary's rows (new rows take lr)",
         ),
     )
+    new_rows_lr_scale: float = field(
+        default=1.0,
+        metadata=check(
+            ge(0.0),
+            le(1.0),
+            help="full_embeddings: learning-rate multiplier for the new rows (and padding); LoRA keeps lr",
+        ),
+    )
     deepspeed: str | None = field(
         default=None, metadata=check(help="DeepSpeed JSON (recipes/deepspeed/*.json) for full/embeddings")
     )
@@ -175,6 +183,8 @@ class AdaptParams(DomainEval):
             problems.append("lora_layers: a non-empty list of layer indices, for mode qlora only")
         if self.base_rows_lr_scale != 1.0 and not self.full_embeddings:
             problems.append("base_rows_lr_scale: needs full_embeddings: true (otherwise base rows are frozen)")
+        if self.new_rows_lr_scale != 1.0 and not self.full_embeddings:
+            problems.append("new_rows_lr_scale: needs full_embeddings: true (row scales act on the whole matrix)")
         return problems
 
 

@@ -158,7 +158,10 @@ def test_qlora_full_embeddings_option(tmp_path: Path, sp_embedded_dir: Path, cor
     assert m["extended"]["trainable_params"] > 2 * 32000 * 64
 
 
-def test_full_embeddings_with_frozen_base_rows(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
+@pytest.mark.parametrize("new_scale", [1.0, 0.0])
+def test_full_embeddings_with_frozen_base_rows(
+    tmp_path: Path, sp_embedded_dir: Path, corpus: Any, new_scale: float
+) -> None:
     """base_rows_lr_scale 0 keeps the base vocabulary's rows where they were while the new rows
     and LoRA train: the hook reaches the optimizer adapt builds, and the merged model keeps it.
     float32 throughout: a bf16 compute dtype would round the trained copy of the matrix."""
@@ -168,6 +171,7 @@ def test_full_embeddings_with_frozen_base_rows(tmp_path: Path, sp_embedded_dir: 
         train=TrainParams(**{**TINY, "steps": 2, "bf16": False}),
         full_embeddings=True,
         base_rows_lr_scale=0.0,
+        new_rows_lr_scale=new_scale,
         compare_base=False,
         eval_docs=1,
         eval_max_length=32,
@@ -178,13 +182,15 @@ def test_full_embeddings_with_frozen_base_rows(tmp_path: Path, sp_embedded_dir: 
     before, after = _state(sp_embedded_dir), _state(ctx.out_dir)
     for key in ("model.embed_tokens.weight", "lm_head.weight"):  # untied: both matrices train
         torch.testing.assert_close(after[key][:32000], before[key][:32000], rtol=0, atol=0)
-    assert (after["lm_head.weight"][32000:] != before["lm_head.weight"][32000:]).any(1).all()
+    moved = (after["lm_head.weight"][32000:] != before["lm_head.weight"][32000:]).any(1)
+    assert moved.all() if new_scale else not moved.any()  # new_rows_lr_scale 0 holds the new rows too
 
 
 def test_base_rows_lr_scale_needs_full_embeddings() -> None:
     problems = AdaptParams(base_rows_lr_scale=0.1).validate()
     assert any(q.startswith("base_rows_lr_scale: needs full_embeddings") for q in problems)
     assert AdaptParams(base_rows_lr_scale=0.1, full_embeddings=True).validate() == []
+    assert any(q.startswith("new_rows_lr_scale: needs") for q in AdaptParams(new_rows_lr_scale=0.3).validate())
 
 
 def test_qlora_full_embeddings_train_a_tied_head(tmp_path: Path) -> None:

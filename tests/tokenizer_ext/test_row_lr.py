@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenizer_ext.row_lr import scale_leading_rows
+from tokenizer_ext.row_lr import scale_leading_rows, scale_rows
 
 
 def _loss(w: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -36,3 +36,22 @@ def test_rejects_a_scale_outside_0_1() -> None:
     w = torch.nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="scale must be in"):
         scale_leading_rows(torch.optim.AdamW([w]), w, 1, 1.5)
+
+
+def test_a_middle_range_and_a_range_to_the_end_match_adamw() -> None:
+    """Rows 0-2 at 0.1x and rows 5- at 0.3x, the rest at lr: AdamW with three groups."""
+    torch.manual_seed(1)
+    start, target = torch.randn(9, 3, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    lr = 0.05
+    w = torch.nn.Parameter(start.clone())
+    opt = torch.optim.AdamW([w], lr=lr)
+    scale_rows(opt, w, 0, 2, 0.1)
+    scale_rows(opt, w, 5, None, 0.3)
+    parts = [torch.nn.Parameter(start[a:b].clone()) for a, b in ((0, 2), (2, 5), (5, 9))]
+    ref = torch.optim.AdamW([{"params": [q], "lr": lr * s} for q, s in zip(parts, (0.1, 1.0, 0.3))])
+    for _ in range(4):
+        for o, loss in ((opt, _loss(w, target)), (ref, _loss(torch.cat(parts), target))):
+            o.zero_grad()
+            loss.backward()
+            o.step()
+    torch.testing.assert_close(w.detach(), torch.cat(parts).detach(), rtol=1e-12, atol=1e-12)

@@ -73,6 +73,9 @@ class EmbedParams(DomainEval):
     eval_max_length: int = field(default=256, metadata=check(ge(8)))
     fit: TrainParams = field(
         default_factory=lambda: TrainParams(steps=0, batch_size=4, seq_len=256, lr=1e-3, warmup_steps=2),
+        metadata=check(
+            help="fit the new rows alone to the base before saving (steps: 0 = off; tokenizer_ext.fit_rows)"
+        ),
     )
     fit_distill_weight: float = field(
         default=1.0,

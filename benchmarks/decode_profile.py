@@ -11,6 +11,12 @@ sum), so each part shows how far it is from memory speed.
     .venv/bin/python -m benchmarks.decode_profile --preset large --int4   # GPTQ RTN g128, int8 act
     .venv/bin/python -m benchmarks.decode_profile --model runs/arabic-gemma3-270m/import \
         --int4-model runs/arabic-gemma3-270m/q4      # a real checkpoint (and its GPTQ int4 one) instead
+    .venv/bin/python -m benchmarks.decode_profile --model runs/arabic-gemma3-270m/yarn --mixed 64
+
+`--mixed N` profiles serve_peers' mixed workload instead (the first N of its 64 requests: prompts
+16-512, outputs 16-256, greedy, all submitted at once): the same parts summed over every step
+(prefill chunks beside decodes), attention split into serve's short-chunk kernel and the torch
+path of prefill chunks, per step and in seconds over the run.
 
 Prints a table; writes benchmarks/results/decode_profile-<time>.json.
 """
@@ -79,6 +85,13 @@ def instrument(llm: LLM, t: Timers) -> None:
     llm.step = t.wrap("step", llm.step)  # type: ignore[method-assign]
 
 
+def instrument_attention_split(llm: LLM, t: Timers) -> None:
+    """Time serve's short-chunk attention kernel on its own (the rest of "attention" is torch's path)."""
+    import serve.attention.torch_ref as tr
+
+    tr.cpu_kernels.paged_attention = t.wrap("attention: short-chunk kernel", tr.cpu_kernels.paged_attention)
+
+
 def linear_bytes(llm: LLM) -> dict[str, int]:
     """Bytes each fused linear kind reads per step over all layers (the weights the kernel reads)."""
     out: dict[str, int] = defaultdict(int)
@@ -123,31 +136,72 @@ def profile(model_dir: Path, args: argparse.Namespace, bw: float, **engine: Any)
     wall = time.perf_counter() - start
     steps = t.calls["step"]
     per = {k: v / steps for k, v in t.seconds.items()}
+    _derived_parts(per)
+    bound = {k: b / bw for k, b in lb.items()}
+    return {"steps": steps, "tok_per_s": steps / wall, "per_step_s": per, "bytes": lb, "bound_s": bound}
+
+
+def profile_mixed(model_dir: Path, args: argparse.Namespace, bw: float, **engine: Any) -> dict[str, Any]:
+    """serve_peers' mixed workload (first `--mixed` requests); the per-part seconds per step and in total."""
+    llm = LLM(model_dir, kv_cache_memory_gb=args.kv_cache_gb, **engine)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    lb = linear_bytes(llm)
+    t = Timers()
+    instrument(llm, t)
+    instrument_attention_split(llm, t)
+    reqs = sb.workload(64, (16, 512), (16, 256), llm.config.vocab_size, seed=0)[: args.mixed]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    t.reset()
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    wall = time.perf_counter() - start
+    steps = t.calls["step"]
+    per = {k: v / steps for k, v in t.seconds.items()}
+    _derived_parts(per)
+    per["attention: torch path (prefill chunks)"] = per.get("attention", 0.0) - per.get(
+        "attention: short-chunk kernel", 0.0
+    )
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {
+        "steps": steps,
+        "tok_per_s": tokens / wall,
+        "tokens": tokens,
+        "prompt_tokens": sum(len(p) for p, _ in reqs),
+        "wall_s": wall,
+        "per_step_s": per,
+        "bytes": lb,
+        "bound_s": {k: b / bw for k, b in lb.items()},
+    }
+
+
+def _derived_parts(per: dict[str, float]) -> None:
+    """Add the untimed remainders: python and small ops inside the forward, engine python around it."""
     inner = ("linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention", "kv write")
     inner += ("rms norm", "rope", "rope + kv write", "metadata")
     per["forward: python and small ops"] = per["forward"] - sum(per.get(k, 0.0) for k in inner)
     per["step: engine python"] = per["step"] - sum(
         per.get(k, 0.0) for k in ("forward", "schedule", "sampler", "commit")
     )
-    bound = {k: b / bw for k, b in lb.items()}
-    return {"steps": steps, "tok_per_s": steps / wall, "per_step_s": per, "bytes": lb, "bound_s": bound}
 
 
 def print_profile(name: str, r: dict[str, Any]) -> None:
     per, bound = r["per_step_s"], r["bound_s"]
     total = per["step"]
     print(f"\n== {name}: {r['tok_per_s']:.2f} tok/s, {total * 1e3:.1f} ms/step over {r['steps']} steps")
-    print(f"{'part':32} {'ms/step':>8} {'share':>6} {'MB read':>8} {'at BW ms':>8} {'of BW':>6}")
-    order = ["linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention", "kv write"]
+    print(f"{'part':40} {'ms/step':>8} {'share':>6} {'MB read':>8} {'at BW ms':>8} {'of BW':>6}")
+    order = ["linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention"]
+    order += ["attention: short-chunk kernel", "attention: torch path (prefill chunks)", "kv write"]
     order += ["rms norm", "rope", "rope + kv write", "metadata", "forward: python and small ops"]
     order += ["sampler", "schedule", "commit"]
     order += ["step: engine python"]
     for k in order:
-        v = per.get(k, 0.0)
+        if k not in per:
+            continue
+        v = per[k]
         extra = ""
         if k in bound:
             extra = f" {r['bytes'][k] / 1e6:8.1f} {bound[k] * 1e3:8.2f} {bound[k] / v:6.0%}" if v else ""
-        print(f"{k:32} {v * 1e3:8.2f} {v / total:6.1%}{extra}")
+        print(f"{k:40} {v * 1e3:8.2f} {v / total:6.1%}{extra}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--mixed", type=int, default=0, help="profile the first N requests of the mixed workload instead")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV cache of the --mixed engine")
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "warsha-serve-bench")
     args = p.parse_args(argv)
     if args.preset not in sb.PRESETS:
@@ -172,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": args.threads, "preset": name, "runs": {}}
     results["isa"] = sm.cpu_kernels.isa()
     print(f"serve CPU kernels: {results['isa']} variant")
+    if args.mixed:
+        results["runs"]["mixed bf16"] = r = profile_mixed(d, args, bw, dtype="bfloat16", head_quant=args.head_quant)
+        print_profile(f"{name} bf16, {args.mixed} mixed requests ({r['tokens']} tokens, {r['wall_s']:.1f} s)", r)
+        sb.write_results("decode_profile", results)
+        return 0
     results["runs"]["bf16"] = profile(d, args, bw, head_quant=args.head_quant)
     print_profile(f"{name} bf16", results["runs"]["bf16"])
     q = args.int4_model if args.model else None

@@ -5,7 +5,7 @@ CPU torch's bf16 matrix-vector product and its int4 kernel are bound by their ow
 not by memory (see the C++ file's header for the measurements); these kernels widen each weight
 block once and reuse it for up to 8 rows. They are compiled on first use with torch's C++
 extension builder (g++ and ninja; about a minute, cached under TORCH_EXTENSIONS_DIR) and used
-for up to `MAX_ROWS` rows: decode steps and speculative verification. `csrc/attention_avx2.cpp`
+for up to `MAX_ROWS` rows: decode steps and speculative verification. `csrc/attention.cpp`
 attends short query chunks (the same steps) straight from the paged cache; `csrc/rope_kv.cpp`
 rotates the new queries and keys and writes K/V into the cache in one call per layer. Without a compiler, on a
 CPU without AVX2+FMA, or with WARSHA_SERVE_CPU_KERNELS=0, the engine keeps torch's kernels and
@@ -39,8 +39,8 @@ import torch
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gemv.cpp", "attention_avx2.cpp", "rope_kv.cpp", "bindings.cpp"))
-HEADERS = (CSRC / "bf16.h", CSRC / "gemv_impl.h")
+SOURCES = tuple(CSRC / name for name in ("gemv.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "bindings.cpp"))
+HEADERS = (CSRC / "bf16.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
@@ -373,6 +373,11 @@ def rope_write_kv(
     """
     q, k, v_rows = load().rope_write_kv(qk, v, cos, sin, slots, k_cache, v_cache, num_heads)
     return q, k, v_rows
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) of float32 CPU logits [rows, vocab] at memory speed (greedy sampling)."""
+    return load().argmax_rows(logits)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,6 +20,8 @@ from serve import cpu_kernels
 from serve.args import HEAD_QUANTS
 from serve.attention import AttentionBackend, SeqChunk, get_backend
 from serve.config import ModelConfig
+from serve.cpu import upcast_bf16_default
+from serve.head import SLICE_ROWS, LogitsBuffer, SlicedHead
 from serve.head_quant import Int8Linear
 from serve.kv_cache import KVCache
 from serve.kv_layout import KVLayout, bind_to, layout_for
@@ -88,6 +90,7 @@ class DecoderModel:
             raise KeyError("checkpoint lacks lm_head.weight and config.json does not tie word embeddings")
         self.lm_head = self.embed if head is None else head.to(dtype)
         self.head = self._make_head()
+        self._logits = LogitsBuffer()
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: vocabulary id of each logit column
         triton_int4 = getattr(self.backend, "name", "") == "triton"  # Triton int4 GEMM too, also when interpreted
         self.layers = [
@@ -118,9 +121,16 @@ class DecoderModel:
         state = load_state_dict(model_dir)
         return cls(config, state, resolve_dtype(dtype), backend, device, int4_activations, head_quant)
 
-    def _make_head(self) -> DenseLinear | Int8Linear:
-        """The vocabulary projection of `lm_head` (prepacked on CPU bf16: the largest matmul)."""
-        return Int8Linear(self.lm_head) if self.head_quant == "int8" else DenseLinear(self.lm_head)
+    def _make_head(self) -> DenseLinear | Int8Linear | SlicedHead:
+        """The vocabulary projection of `lm_head` (prepacked on CPU bf16: the largest matmul);
+        by vocabulary slices into float32 on a native-bf16 CPU when the vocabulary is large."""
+        if self.head_quant == "int8":
+            return Int8Linear(self.lm_head)
+        w = self.lm_head
+        native_bf16 = w.dtype == torch.bfloat16 and not upcast_bf16_default(w.dtype, w.device)
+        if native_bf16 and w.device.type == "cpu" and w.shape[0] > SLICE_ROWS:
+            return SlicedHead(w, SLICE_ROWS)
+        return DenseLinear(w)
 
     def restrict_head(self, token_ids: list[int]) -> None:
         """Compute logits only for `token_ids` (a draft's frequent tokens).
@@ -172,10 +182,12 @@ class DecoderModel:
         return metas
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache, reuse_logits: bool = False) -> torch.Tensor:
         """Write the batch's K/V into `kv` and return float32 logits [len(logits_indices), V].
 
         float32 also because argmax over bf16 takes a slow path on CPU (3x the upcast + argmax).
+        `reuse_logits`: the logits may live in this model's buffer, overwritten by its next
+        forward (the engine's step loop, which consumes them first; `serve.head`).
         """
         c = self.config
         metas = self._group_metadata(batch.chunks, kv.block_size)
@@ -211,7 +223,10 @@ class DecoderModel:
             m = layer.down(self.act(gate) * up)
             x = x + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
         x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)))
-        logits = self.head(x).float().cpu()  # sampling runs on the host
+        if isinstance(self.head, SlicedHead):
+            logits = self.head(x, self._logits.take(x.shape[0], self.head.out_features) if reuse_logits else None)
+        else:
+            logits = self.head(x).float().cpu()  # sampling runs on the host
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

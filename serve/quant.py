@@ -31,6 +31,11 @@ F32_KERNEL_MAX_ROWS = 6  # float32 weights: serve's AVX2 kernel up to here (oneD
 # bf16 weights on a native-bf16 CPU: serve's kernel up to here, oneDNN's prepacked (AMX) GEMM above
 # (the crossover `python -m benchmarks.isa_gemv` finds on Gemma 3 270M's shapes; docs/results.md).
 NATIVE_BF16_KERNEL_MAX_ROWS = 4
+# rows a bf16 weight is prepacked for. oneDNN picks the blocked layout by this hint: 1 gives a
+# GEMV layout (AB16b64a2b) that the AMX kernel runs at about half speed for 8-512 rows (the LM
+# head of Gemma 3 at 32-48 rows: 45-50 ms against 24-35 ms); any hint from 16 up gives the same
+# AB16b32a2b layout. Batch-1 decode does not read it (serve's kernel takes up to 4 rows).
+BF16_PACK_BATCH_HINT = 64
 
 
 def unpack_qweight(qweight: torch.Tensor) -> torch.Tensor:
@@ -239,11 +244,13 @@ class DenseLinear:
         bias: torch.Tensor | None = None,
         upcast: bool | None = None,
         use_kernels: bool | None = None,
+        prepack: bool = True,
     ) -> None:
+        """`prepack=False` skips oneDNN's bf16 copy (a caller that only sends decode-sized batches)."""
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        self.packed = _mkldnn_pack(self.weight)
+        self.packed = _mkldnn_pack(self.weight, batch_hint=BF16_PACK_BATCH_HINT) if prepack else None
         is_f32 = weight.dtype == torch.float32
         self.packed_f32 = _mkldnn_pack(self.weight, allow_float32=True, batch_hint=5) if is_f32 else None
         if upcast is None:

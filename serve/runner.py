@@ -15,7 +15,7 @@ from serve.attention import SeqChunk
 from serve.kv_cache import KVCache
 from serve.model import DecoderModel, ForwardBatch
 from serve.prompt_lookup import lookup
-from serve.sampler import SamplingParams, param_tensors, process_logits, sample
+from serve.sampler import SamplingParams, argmax_ids, param_tensors, process_logits, sample
 from serve.scheduler import ScheduledBatch
 from serve.sequence import Sequence
 from serve.spec_decode import RejectionResult, greedy_verify, rejection_sample
@@ -258,7 +258,8 @@ class ModelRunner:
                 logit_rows.append([])
             starts.append(start)
             toks.append(chunk)
-        logits = self.target.forward(build_forward(batch.seqs, starts, toks, logit_rows), self.target_kv)
+        fb = build_forward(batch.seqs, starts, toks, logit_rows)
+        logits = self.target.forward(fb, self.target_kv, reuse_logits=True)  # consumed within this step
         self.num_target_forwards += 1
         return self._split_logits(batch, logits, logit_rows, sample_rows, spec_of)
 
@@ -294,7 +295,7 @@ class ModelRunner:
     ) -> RejectionResult:
         """Rejection-sample every speculator's drafts against the target's distributions."""
         if proposal.probs is None:
-            return greedy_verify(proposal.tokens, [block.argmax(-1) for block in spec_logits], proposal.counts)
+            return greedy_verify(proposal.tokens, [argmax_ids(block) for block in spec_logits], proposal.counts)
         kmax = proposal.tokens.shape[1]
         vocab = spec_logits[0].shape[-1]
         target = torch.zeros(len(seqs), kmax + 1, vocab)

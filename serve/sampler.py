@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serve import cpu_kernels
+
 MIN_TEMPERATURE = 1e-5  # below this, temperature is treated as 0 (greedy), as vLLM does: 1/T overflows
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
 MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; the engine also checks top_k against its own vocabulary
@@ -87,6 +89,18 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when logits depend on the request's history."""
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) for [rows, V] logits; float32 CPU rows take serve's kernel.
+
+    Why: greedy decoding reads every logit once, and torch's CPU argmax ran at about 4 GB/s
+    (12 ms for 40 rows of a 278k vocabulary); the kernel gives the same index (first maximum,
+    first NaN) at memory speed.
+    """
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and cpu_kernels.available():
+        return cpu_kernels.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 @dataclass
@@ -238,7 +252,7 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.to(torch.float32, copy=True), params, prompts, outputs)
         if all(p.greedy for p in params):
-            tokens = logits.argmax(-1).tolist()
+            tokens = argmax_ids(logits).tolist()
         else:
             probs = process_logits(logits, *param_tensors(params))
             tokens = sample(probs, generators, self.generator).tolist()

@@ -14,6 +14,7 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, doub
 int64_t parallel_threads();
 void set_isa(const std::string& name);
 std::string current_isa();
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, const torch::Tensor& q_starts,
                               const torch::Tensor& q_lens, int64_t block_size, double scale, int64_t window);
@@ -32,5 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "run the named ISA variant of the matrix products (avx2, avx512, avx512_vnni, avx512_bf16)");
   m.def("current_isa", &current_isa, "the ISA variant the matrix products run");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or first NaN), as torch.argmax(-1)");
   m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache ");
 }

@@ -1,11 +1,13 @@
-"""serve's AVX2 paged attention for short chunks against a float64 brute-force loop.
+"""serve's paged attention for short chunks against a float64 brute-force loop, every ISA variant.
 
 The reference walks each sequence position by position through its block table, with an explicit
 softmax in float64 over the keys each query may see (causal, and inside a sliding window when
 one is set). Block 0 of every cache is filled with NaN and never given to a sequence: padding and
 handed-back table entries point at it, so any read outside a row's visible keys poisons the
 output. Shapes cover GQA ratios 1-8, head sizes 16-256, contexts across the kernel's 64-key
-tiles, query chunks of 1-16 tokens, bf16 and float32, and 1 or 2 threads.
+tiles, query chunks of 1-16 tokens, bf16 and float32, and 1 or 2 threads. Every test runs once per
+kernel variant this CPU runs (the AVX2 algorithm, and on AVX-512 hosts the AVX-512 one, plain
+and with bf16 dot products); head sizes that are not a multiple of 64 stay on the AVX2 algorithm.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 NULL_BLOCK = -1
+
+
+@pytest.fixture(autouse=True, params=cpu_kernels.supported_isas())
+def isa(request: pytest.FixtureRequest):
+    """Run the test under each kernel variant the CPU supports (`WARSHA_CPU_ISA`'s choices)."""
+    with cpu_kernels.use_isa(request.param):
+        yield request.param
 
 
 def make_case(
@@ -103,9 +112,10 @@ def test_sliding_window_reads_only_visible_keys(seed: int, window: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_bf16_is_float32_math_rounded_once(seed: int) -> None:
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 1, 256)])
+def test_bf16_is_float32_math_rounded_once(seed: int, heads: int, kv_heads: int, dim: int) -> None:
     """bf16 q/cache are widened exactly; the float64 result rounded to bf16 is at most one bf16 step away."""
-    q, kc, vc, chunks = make_case(seed, 8, 2, 64, 16, torch.bfloat16)
+    q, kc, vc, chunks = make_case(seed, heads, kv_heads, dim, 16, torch.bfloat16)
     got = run_kernel(q, kc, vc, chunks, 16, 0.125)
     assert got.dtype == torch.bfloat16
     ref = brute_force(q, kc, vc, chunks, 16, 0.125)

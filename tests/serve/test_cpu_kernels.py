@@ -378,3 +378,38 @@ def test_an_unowned_fresh_lock_is_waited_for_and_an_old_one_removed(
         waiter.join(10)
     assert entered.is_set() and not lock.exists()
     assert sum(r.getMessage().startswith("waiting for a build lock") for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 7), (1, 278_144), (3, 4097), (40, 20_000), (0, 16)])
+def test_argmax_rows_equals_torch_argmax(rows: int, vocab: int) -> None:
+    """Random rows, also fewer rows than threads (a row is then split into segments)."""
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab))
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(-1))
+
+
+def test_argmax_rows_keeps_torchs_ties_nans_and_infinities() -> None:
+    """First maximum on ties (also across segments), first NaN when a row has one, 0 for all -inf."""
+    x = torch.randn(6, 100_000, generator=torch.Generator().manual_seed(0))
+    x[0, [10, 99_990]] = 50.0  # a tie far apart: the first wins
+    x[1, [500, 90_000]] = float("nan")  # NaN beats everything, the first one
+    x[1, 7] = float("inf")
+    x[2] = float("-inf")
+    x[3, 99_999] = float("inf")  # +inf in the last element
+    x[4, :] = 1.0  # all equal
+    x[5, 64_000] = float("nan")  # a NaN only in a later segment
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(-1))
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(cpu_kernels.argmax_rows(x[:1]), x[:1].argmax(-1))
+            assert torch.equal(cpu_kernels.argmax_rows(x[5:]), x[5:].argmax(-1))
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_argmax_rows_refuses_what_it_does_not_take() -> None:
+    with pytest.raises(RuntimeError, match="float32 CPU logits"):
+        cpu_kernels.argmax_rows(torch.randn(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 CPU logits"):
+        cpu_kernels.argmax_rows(torch.randn(8))

@@ -1,5 +1,8 @@
-// Paged attention for short query chunks on the CPU (AVX2 + FMA): decode steps and speculative
-// verification, read straight from the heads-first paged cache.
+// Paged attention for short query chunks on the CPU: decode steps and speculative verification,
+// read straight from the heads-first paged cache. Two algorithms, chosen per call by the ISA
+// variant serve's kernels run (serve/cpu_kernels.py, set_isa): the AVX2 one below, and the
+// AVX-512 ones of attention_avx512.h (plain and with vdpbf16ps), included at the end of the
+// anonymous namespace.
 //
 // Why: the torch path gathers whole blocks into a padded copy, widens a bf16 cache to float32 in
 // another copy and then runs two batched matmuls and a softmax, about ten op launches per layer.
@@ -22,9 +25,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
+
+std::string current_isa();  // gemv.cpp: the ISA variant chosen at load
 
 namespace {
 
@@ -231,9 +238,11 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
   }
 }
 
-template <typename T>
-void run_all(const Plan& p, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::Tensor& out,
-             int64_t B) {
+// Every (sequence, KV head) task of the batch over torch's threads, each thread with its own
+// scratch; `attend_one` is one algorithm's per-task function (the AVX2 one below, or an AVX-512 one).
+template <typename Scratch, typename T, typename Attend>
+void run_tasks(const Plan& p, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::Tensor& out,
+               int64_t B, Attend attend_one) {
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
@@ -243,10 +252,34 @@ void run_all(const Plan& p, const torch::Tensor& q, const torch::Tensor& k_cache
     Scratch s((p.H / p.Hkv) * max_q, p.D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / p.Hkv, h = t % p.Hkv;
-      attend<T>(p, qp, kp + h * slots * p.D, vp + h * slots * p.D, op, b, h, s);
+      attend_one(p, qp, kp + h * slots * p.D, vp + h * slots * p.D, op, b, h, s);
     }
   });
 }
+
+template <typename T>
+void run_all(const Plan& p, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::Tensor& out,
+             int64_t B) {
+  run_tasks<Scratch, T>(p, q, k_cache, v_cache, out, B, attend<T>);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace isa_avx512 {
+#define WARSHA_BF16DOT 0
+#include "attention_avx512.h"
+#undef WARSHA_BF16DOT
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace isa_avx512_bf16 {
+#define WARSHA_BF16DOT 1
+#include "attention_avx512.h"
+#undef WARSHA_BF16DOT
+}  // namespace isa_avx512_bf16
+#pragma GCC pop_options
 
 torch::Tensor as_long(const torch::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.device().is_cpu() && t.numel() == n, name, " must be a CPU tensor of ", n, " values, got ", t.sizes());
@@ -285,9 +318,16 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   for (int64_t b = 0; b < B; ++b) covered += l[b];
   // rows of other chunks (a prefill beside the decodes) stay zero until the caller fills them
   torch::Tensor out = covered == q.size(0) ? torch::empty_like(q) : torch::zeros_like(q);
-  if (q.scalar_type() == torch::kFloat32)
-    run_all<float>(plan, q, k_cache, v_cache, out, B);
+  const std::string isa = current_isa();
+  const bool wide = isa.rfind("avx512", 0) == 0 && D % 64 == 0;
+  const bool f32 = q.scalar_type() == torch::kFloat32;
+  if (wide && isa == "avx512_bf16")
+    f32 ? isa_avx512_bf16::run_all512<float>(plan, q, k_cache, v_cache, out, B)
+        : isa_avx512_bf16::run_all512<uint16_t>(plan, q, k_cache, v_cache, out, B);
+  else if (wide)
+    f32 ? isa_avx512::run_all512<float>(plan, q, k_cache, v_cache, out, B)
+        : isa_avx512::run_all512<uint16_t>(plan, q, k_cache, v_cache, out, B);
   else
-    run_all<uint16_t>(plan, q, k_cache, v_cache, out, B);
+    f32 ? run_all<float>(plan, q, k_cache, v_cache, out, B) : run_all<uint16_t>(plan, q, k_cache, v_cache, out, B);
   return out;
 }

@@ -1,0 +1,62 @@
+"""The LM head of a bf16 model on a native-bf16 CPU: float32 logits by vocabulary slices into a reused buffer.
+
+Why: on a model with a large vocabulary (Gemma 3: 262k rows, 278k after extension) the logits of
+a decode batch are tens of megabytes. Computed as one bf16 matrix and widened with `.float()`,
+every step allocated two fresh buffers of that size, and the page faults on that memory cost
+more than the widening itself (40 rows: 16 ms for `.float()` into fresh memory against 2 ms into
+memory already touched). Here the head runs as vocabulary slices, each prepacked for oneDNN once,
+and each slice's bf16 output (a few MiB, which the allocator reuses) is widened into a float32
+buffer the engine keeps from step to step. The numbers are those of one GEMM over the whole head
+rounded to bf16 and widened, as before: a slice only cuts the output columns, never the reduction.
+
+Decode-sized batches (up to the bf16 kernel's row limit) take serve's kernel over the whole
+head, as `DenseLinear` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serve.quant import DenseLinear
+
+SLICE_ROWS = 32768  # vocabulary rows per prepacked slice: its bf16 output for 64 rows is 4 MiB
+
+
+class LogitsBuffer:
+    """One float32 buffer grown to the largest [rows, vocab] asked for, handed out as views.
+
+    A view is valid until the next `take`: the engine consumes a step's logits (sampling,
+    verification) before the model's next forward.
+    """
+
+    def __init__(self) -> None:
+        self._data = torch.empty(0)
+
+    def take(self, rows: int, vocab: int) -> torch.Tensor:
+        """A [rows, vocab] float32 view over the buffer (its contents are stale)."""
+        if self._data.numel() < rows * vocab:
+            self._data = torch.empty(rows * vocab)
+        return self._data[: rows * vocab].view(rows, vocab)
+
+
+class SlicedHead:
+    """y = x W^T for bf16 rows and a bf16 CPU weight, returned in float32 (see the module doc)."""
+
+    def __init__(self, weight: torch.Tensor, slice_rows: int = SLICE_ROWS) -> None:
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            raise ValueError(f"SlicedHead takes a bf16 CPU weight, got {weight.dtype} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.whole = DenseLinear(weight, upcast=False, prepack=False)  # decode rows: serve's kernel
+        self.bounds = [(a, min(a + slice_rows, self.out_features)) for a in range(0, self.out_features, slice_rows)]
+        self.slices = [DenseLinear(weight[a:b], upcast=False) for a, b in self.bounds]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [rows, V] of bf16 rows x [rows, H], written into `out` when given."""
+        rows = x.shape[0]
+        if rows <= self.whole.kernel_max_rows:
+            y = self.whole(x).float()
+            return y if out is None else out.copy_(y)
+        out = torch.empty(rows, self.out_features) if out is None else out
+        for (a, b), part in zip(self.bounds, self.slices):
+            out[:, a:b].copy_(part(x))
+        return out

@@ -39,7 +39,7 @@ import torch
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gemv.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "bindings.cpp"))
+SOURCES = tuple(CSRC / name for name in ("gemv.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "bindings.cpp"))
 HEADERS = (CSRC / "bf16.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
@@ -383,6 +383,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm of bf16 rows (float32 statistics, two bf16 roundings) in one call."""
     return load().rms_norm_bf16(x, weight, eps)
+
+
+def rms_norm_bf16_scaled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(rms_norm(x.float()) * weight).to(bf16) for bf16 rows and a float32 weight [..., hidden], in one call."""
+    return load().rms_norm_bf16_scaled(x, weight, eps)
 
 
 class Int4Packed:

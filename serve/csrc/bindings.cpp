@@ -15,6 +15,7 @@ int64_t parallel_threads();
 void set_isa(const std::string& name);
 std::string current_isa();
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+torch::Tensor rms_norm_bf16_scaled(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, const torch::Tensor& q_starts,
                               const torch::Tensor& q_lens, int64_t block_size, double scale, int64_t window);
@@ -33,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "run the named ISA variant of the matrix products (avx2, avx512, avx512_vnni, avx512_bf16)");
   m.def("current_isa", &current_isa, "the ISA variant the matrix products run");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
+  m.def("rms_norm_bf16_scaled", &rms_norm_bf16_scaled, "RMSNorm of bf16 rows times a float32 weight, rounded once (Gemma's 1 + w)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or first NaN), as torch.argmax(-1)");
   m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache ");
 }

@@ -413,3 +413,22 @@ def test_argmax_rows_refuses_what_it_does_not_take() -> None:
         cpu_kernels.argmax_rows(torch.randn(2, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="float32 CPU logits"):
         cpu_kernels.argmax_rows(torch.randn(8))
+
+
+@pytest.mark.parametrize("shape, weight_rows", [((9, 640), 1), ((300, 96), 1), ((7, 5, 256), 5), ((0, 64), 1)])
+def test_rms_norm_bf16_scaled_matches_the_torch_formula(shape: tuple[int, ...], weight_rows: int) -> None:
+    """Gemma's norm as serve writes it in torch, (rms_norm(x.float()) * (1 + w)).to(bf16), with one
+    weight row per head where the weight has several (q/k norms): at most one bf16 step away and
+    nearly always equal (only the order of the float32 sum of squares differs)."""
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * 4).bfloat16()
+    w = 1.0 + torch.randn(weight_rows, shape[-1], generator=gen).squeeze(0) * 0.3
+    ref = (torch.nn.functional.rms_norm(x.float(), (shape[-1],), eps=1e-6) * w).to(torch.bfloat16)
+    got = cpu_kernels.rms_norm_bf16_scaled(x, w, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    if ref.numel():
+        ulps = (got.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+        assert int(ulps.max()) <= 1
+        assert (got == ref).float().mean().item() > 0.999
+    with pytest.raises(RuntimeError, match="float32 weight"):
+        cpu_kernels.rms_norm_bf16_scaled(x, w.bfloat16(), 1e-6)

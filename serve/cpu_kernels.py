@@ -39,7 +39,8 @@ import torch
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("gemv.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "bindings.cpp"))
+CPP_FILES = ("gemv.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "bindings.cpp")
+SOURCES = tuple(CSRC / name for name in CPP_FILES)
 HEADERS = (CSRC / "bf16.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout

@@ -58,10 +58,16 @@ def _awq_unpack(words: torch.Tensor) -> torch.Tensor:
     return out.reshape(words.shape[0], words.shape[1] * 8)
 
 
+def int8_rows_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An ``embedding_bits: 8`` tensor back in float32: row r is ``q[r] * scale[r]``."""
+    return q.float() * scale.float()[:, None]
+
+
 def dequantize_state_dict(
     tensors: dict[str, torch.Tensor], qconfig: dict[str, Any], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Replace every ``<linear>.qweight/qzeros/scales[/g_idx]`` family by ``<linear>.weight``."""
+    """Replace every ``<linear>.qweight/qzeros/scales[/g_idx]`` family, and every int8-row
+    ``<module>.weight_int8/weight_scale`` pair, by ``<module>.weight``."""
     method = qconfig.get("quant_method")
     if method not in ("gptq", "awq"):
         raise ValueError(f"dequant: quant_method {method!r} is not one of 'gptq', 'awq'")
@@ -72,7 +78,11 @@ def dequantize_state_dict(
     bits = int(qconfig["bits"])
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name.endswith((".qzeros", ".scales", ".g_idx")):
+        if name.endswith((".qzeros", ".scales", ".g_idx", ".weight_scale")):
+            continue
+        if name.endswith(".weight_int8"):
+            base = name.removesuffix(".weight_int8")
+            out[f"{base}.weight"] = int8_rows_weight(t, tensors[f"{base}.weight_scale"]).to(dtype)
             continue
         if not name.endswith(".qweight"):
             out[name] = t

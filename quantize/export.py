@@ -4,7 +4,9 @@ Quantized linears are replaced by their packed tensors; every other tensor (embe
 including AWQ-folded norms, lm_head) is written in the serving dtype the stage's ``save_dtype``
 names (bfloat16 by default: what vLLM and serve run GPTQ/AWQ checkpoints in; a float32 input's
 tied 278k-row embedding alone is 712 MB of the real recipe's export, 356 MB in bfloat16), or in
-the input checkpoint's dtype with ``save_dtype: auto``.
+the input checkpoint's dtype with ``save_dtype: auto``; with ``embedding_bits: 8`` the embedding
+and an untied head are int8 rows instead (``quantize.int8_rows``; serve loads them, other engines
+do not), recorded as ``quantization_config.embedding_bits``.
 ``config.json`` is the input's plus ``quantization_config``; tokenizer files are copied, and so
 are the files that say how the checkpoint is served (``SERVING_FILES``): a draft model's
 ``draft_vocab.json`` restricts its head to the ids it scores, and a quantized draft without it
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from quantize.int8_rows import embedding_names, int8_row_tensors
 from quantize.pack import pack_awq, pack_gptq
 from quantize.quantizer import QuantizedLinear
 from warsha import tokenizer_files
@@ -58,16 +61,25 @@ def quantization_config(
 
 
 def packed_state(
-    model: Any, quantized: dict[str, QuantizedLinear], fmt: str, save_dtype: torch.dtype
+    model: Any,
+    quantized: dict[str, QuantizedLinear],
+    fmt: str,
+    save_dtype: torch.dtype,
+    embedding_bits: int = 16,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of the output checkpoint."""
+    """The tensors of the output checkpoint; with `embedding_bits` 8 the embedding (and an untied
+    head) as int8 rows (``quantize.int8_rows``)."""
     state = model.state_dict()
+    int8 = set(embedding_names(model)) if embedding_bits == 8 else set()
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         module, leaf = name.rsplit(".", 1)
         if module in quantized and leaf == "weight":
             continue
         if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+            continue
+        if name in int8:
+            out.update(int8_row_tensors(name, t.detach().cpu()))
             continue
         out[name] = (t.to(save_dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
     pack = pack_gptq if fmt == "gptq" else pack_awq
@@ -128,8 +140,10 @@ def export(
     out_dir: Path,
     qconfig: dict[str, Any],
     dtype: torch.dtype | None = None,
+    embedding_bits: int = 16,
 ) -> None:
-    """Write the whole output directory; float tensors in ``dtype`` (default: the input's).
+    """Write the whole output directory; float tensors in ``dtype`` (default: the input's), the
+    embedding in int8 rows when `embedding_bits` is 8.
 
     ``config.json`` declares the dtype written, so loaders that follow it (transformers'
     ``dtype="auto"``, vLLM) load the checkpoint in that dtype.
@@ -137,9 +151,9 @@ def export(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype or source_dtype(src_dir)
-    write_safetensors(packed_state(model, quantized, qconfig["quant_method"], dtype), out_dir)
+    write_safetensors(packed_state(model, quantized, qconfig["quant_method"], dtype, embedding_bits), out_dir)
     raw = json.loads((Path(src_dir) / "config.json").read_text())
-    raw["quantization_config"] = qconfig
+    raw["quantization_config"] = qconfig if embedding_bits == 16 else dict(qconfig, embedding_bits=embedding_bits)
     raw.pop("torch_dtype", None)
     raw["dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")

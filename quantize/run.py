@@ -26,6 +26,7 @@ from quantize.calib import calibration_ids, interleave
 from quantize.evalstats import DocScores, relative_increase
 from quantize.export import export, quantization_config, save_dtype
 from quantize.gptq import GPTQOptions
+from quantize.int8_rows import fake_quantize_embeddings
 from quantize.layerwise import (
     Plan,
     awq_method,
@@ -208,7 +209,7 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
     qconfig = quantization_config(
         params.format, params.bits, params.group_size, params.sym, sorted(plan.skipped), extra
     )
-    export(model, quantized, src, ctx.out_dir, qconfig, save_dtype(params.save_dtype, src))
+    export(model, quantized, src, ctx.out_dir, qconfig, save_dtype(params.save_dtype, src), params.embedding_bits)
     del model
     from quantize.dequant import load_dequantized
 
@@ -222,6 +223,7 @@ def run_stage(ctx: Any, params: Any, method: str) -> dict[str, Any]:
         "group_size": params.group_size,
         "group_size_requested": requested,
         "save_dtype": str(save_dtype(params.save_dtype, src)).removeprefix("torch."),
+        "embedding_bits": params.embedding_bits,
         "unquantized": _dicts(before),
         "quantized": _dicts(after),
         "perplexity_increase_rel": {lang: v["rel"] for lang, v in increase.items()},
@@ -261,9 +263,12 @@ def _format_extra(method: str, params: Any) -> dict[str, Any]:
 def _rtn_reference(
     src: Path, arch: ArchSpec, params: Any, plan: Plan, device: str, tokenizer: Any, texts: dict[str, list[str]]
 ) -> dict[str, DocScores]:
-    """RTN with the same grid on a fresh copy of the input (cheap: no calibration)."""
+    """RTN with the same grid (and embedding rounding) on a fresh copy of the input (cheap: no
+    calibration)."""
     model = load_model(src, DTYPES[params.compute_dtype])
     quantize_model(model, arch, "rtn", params, None, device, plan)
+    if params.embedding_bits == 8:
+        fake_quantize_embeddings(model)
     return evaluate(model, tokenizer, texts, params, "rtn", device)
 
 

@@ -48,6 +48,13 @@ class RTNParams:
         default="bfloat16",
         metadata=check(help="dtype of the tensors left unquantized (embedding, norms, head); auto: the input's"),
     )
+    embedding_bits: Literal[8, 16] = field(
+        default=16,
+        metadata=check(
+            help="8: the embedding (and an untied head) as int8 rows, one scale each, half the bytes;"
+            " serve loads it, vLLM/transformers/GPTQModel do not. 16: in save_dtype"
+        ),
+    )
     eval_langs: list[str] = field(default_factory=lambda: ["ar", "en"])
     eval_documents: int = field(default=200, metadata=check(ge(1), help="validation documents per language"))
     eval_max_length: int = field(default=512, metadata=check(ge(16), help="likelihood window in tokens"))

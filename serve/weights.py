@@ -31,12 +31,31 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint on CPU, keyed by their HF names."""
+    """All tensors of the checkpoint on CPU, keyed by their HF names (int8 rows widened)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
+    return widen_int8_rows(tensors, model_dir)
+
+
+INT8_SUFFIX, SCALE_SUFFIX = ".weight_int8", ".weight_scale"
+
+
+def widen_int8_rows(tensors: dict[str, torch.Tensor], model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Replace each int8-row pair (``<m>.weight_int8`` int8 [rows, cols], ``<m>.weight_scale``
+    [rows]: the 8-bit embedding and head of quantize's ``embedding_bits: 8``, FORMAT.md) by
+    ``<m>.weight = q * scale`` in float32; the model casts it to its dtype like any weight."""
+    for name in [n for n in tensors if n.endswith(INT8_SUFFIX)]:
+        module = name.removesuffix(INT8_SUFFIX)
+        q, scale = tensors.pop(name), tensors.pop(module + SCALE_SUFFIX, None)
+        if scale is None or q.dtype != torch.int8 or scale.shape != q.shape[:1]:
+            raise ValueError(
+                f"{model_dir}: {name} needs an int8 [rows, cols] tensor and a [rows] {module}{SCALE_SUFFIX};"
+                f" got {q.dtype} {list(q.shape)} and {None if scale is None else list(scale.shape)}: re-export it"
+            )
+        tensors[module + ".weight"] = q.float() * scale.float()[:, None]
     return tensors
 
 

@@ -189,7 +189,9 @@ def quant_rows(manifests: list[tuple[str, dict[str, Any]]]) -> dict[str, tuple[d
         rows.setdefault("unquantized", (ppl("unquantized"), metrics.get("input_size_bytes")))
         rows.setdefault("rtn", (ppl("rtn"), None))
         method = str(metrics.get("method", name))
-        rows[method if method == name else f"{method} ({name})"] = (ppl("quantized"), metrics.get("size_bytes"))
+        label = method if method == name else f"{method} ({name})"
+        label += ", int8 embedding" if metrics.get("embedding_bits") == 8 else ""
+        rows[label] = (ppl("quantized"), metrics.get("size_bytes"))
     for _, m in manifests:
         if m.get("stage") == "quantize.gguf" and _model_input(m) == main:
             rows.update(gguf_rows(m.get("metrics", {})))

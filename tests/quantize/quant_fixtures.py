@@ -48,7 +48,12 @@ def make_tokenizer(out_dir: Path) -> Any:
 
 
 def tiny_config(
-    vocab: int = 640, kv_heads: int = 4, hidden: int = 128, inter: int = 256, model_type: str = "llama"
+    vocab: int = 640,
+    kv_heads: int = 4,
+    hidden: int = 128,
+    inter: int = 256,
+    model_type: str = "llama",
+    tied: bool = False,
 ) -> Any:
     """2 decoder layers; hidden/intermediate divisible by 32 and 64."""
     from transformers import AutoConfig
@@ -62,7 +67,7 @@ def tiny_config(
         num_key_value_heads=kv_heads,
         vocab_size=vocab,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=0,
         eos_token_id=1,
     )

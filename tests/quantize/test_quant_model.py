@@ -157,6 +157,29 @@ def test_other_families_round_trip(tmp_path: Path, model_type: str, kv_heads: in
     _roundtrip(model, quantized, plan, tmp_path, "awq", spec, tmp_path / "src")
 
 
+@pytest.mark.parametrize("model_type,tied", [("gemma3_text", True), ("llama", False)])
+def test_int8_embedding_round_trip(tmp_path: Path, model_type: str, tied: bool) -> None:
+    """Tied (Gemma 3) and untied (Llama) heads: the export's int8 rows, read back through the
+    dequant reference, give the logits of the model whose embedding and head were rounded the
+    same way in memory (what the stage's RTN comparison scores)."""
+    from quantize.int8_rows import embedding_names, fake_quantize_embeddings
+
+    model = tiny_model(seed=3, model_type=model_type, tied=tied)
+    assert embedding_names(model) == ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    model.save_pretrained(tmp_path / "src")
+    spec = QuantSpec(4, 32, True)
+    quantized, plan = _quantize(model, "rtn", spec)
+    qc = quantization_config("gptq", 4, 32, True, sorted(plan.skipped), {})
+    export(model, quantized, tmp_path / "src", tmp_path / "q", qc, embedding_bits=8)
+    before = model.get_output_embeddings().weight.detach().clone()
+    fake_quantize_embeddings(model)
+    moved = (model.get_output_embeddings().weight - before).abs()
+    assert 0 < moved.max() <= before.abs().max() / 254 * (1 + 1e-5)
+    loaded = load_dequantized(tmp_path / "q")
+    ids = _ids(6)
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+
+
 def test_unknown_architecture_is_refused() -> None:
     with pytest.raises(ValueError, match="'gpt2' is not supported.*gemma3_text, llama, mistral, qwen2, qwen3"):
         arch_for("gpt2")

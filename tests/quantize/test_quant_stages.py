@@ -157,3 +157,46 @@ def test_export_keeps_unquantized_tensors_in_the_serving_dtype(make_ctx: Any) ->
         for prompt, out in zip(prompts, outs):
             ids = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
             assert out.token_ids == ids[0, len(prompt) :].tolist()
+
+
+def test_export_stores_the_embedding_in_int8_rows(make_ctx: Any) -> None:
+    """``embedding_bits: 8``: embedding and (untied) head as int8 rows with one float32 scale each,
+    half the bytes; each weight within half a step of its row (checked in float64); the stage
+    scores what it wrote; serve and transformers (through the dequantizing reader) agree."""
+    import torch
+
+    from quantize.dequant import load_dequantized, read_safetensors
+    from serve.engine import LLM
+    from serve.sampler import SamplingParams
+
+    ctx16, ctx8 = make_ctx(name="e16"), make_ctx(name="e8")
+    m16 = STAGES["rtn"].run(ctx16, RTNParams(**SMALL))
+    m8 = STAGES["rtn"].run(ctx8, RTNParams(**SMALL, embedding_bits=8))
+    assert (m16["embedding_bits"], m8["embedding_bits"]) == (16, 8)
+    qc = json.loads((ctx8.out_dir / "config.json").read_text())["quantization_config"]
+    assert qc["embedding_bits"] == 8 and "embedding_bits" not in _check_artifact(ctx16.out_dir, "rtn")
+    tensors, src = read_safetensors(ctx8.out_dir), read_safetensors(ctx8.model_dir)
+    for module in ("model.embed_tokens", "lm_head"):
+        assert f"{module}.weight" not in tensors
+        q, scale = tensors[f"{module}.weight_int8"], tensors[f"{module}.weight_scale"]
+        assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == q.shape[:1]
+        w = src[f"{module}.weight"].double()
+        step = w.abs().amax(dim=1) / 127
+        assert torch.allclose(scale.double(), step, rtol=1e-6)
+        assert (q.double() * step[:, None] - w).abs().le(step[:, None] / 2 * (1 + 1e-5)).all()
+        assert q.abs().amax(dim=1).eq(127).all()  # each row uses its whole range
+    rows, cols = tensors["model.embed_tokens.weight_int8"].shape
+    saved = m16["size_bytes"] - m8["size_bytes"]
+    assert abs(saved - 2 * (rows * cols - 4 * rows)) < 512  # two bf16 tables -> int8 + float32 scales
+    for lang in ("ar", "en"):
+        assert abs(m8["perplexity_increase_rel"][lang] - m16["perplexity_increase_rel"][lang]) < 0.01
+    prompts = [[0, 5 + i, 40 + 3 * i, 200 + i] for i in range(3)]
+    engine = LLM(ctx8.out_dir, dtype="float32", int4_activations="float")
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    ref = load_dequantized(ctx8.out_dir, torch.float32)
+    q, scale = tensors["model.embed_tokens.weight_int8"], tensors["model.embed_tokens.weight_scale"]
+    assert torch.equal(ref.model.embed_tokens.weight, q.float() * scale[:, None])
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            ids = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+            assert out.token_ids == ids[0, len(prompt) :].tolist()

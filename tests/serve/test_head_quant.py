@@ -86,3 +86,23 @@ def test_bad_head_quant_is_named_before_loading() -> None:
         EngineArgs(head_quant="int4")
     with pytest.raises(ValueError, match="CPU only"):
         EngineArgs(head_quant="int8", device="cuda")
+
+
+def test_checkpoint_int8_rows_are_widened_or_named() -> None:
+    """An ``embedding_bits: 8`` export's pairs become ``<m>.weight = q * scale`` (float64 check);
+    a pair that is not one names the tensor and what to do, before any model is built."""
+    from serve.weights import widen_int8_rows
+
+    q = torch.randint(-127, 128, (6, 5), dtype=torch.int8)
+    scale = torch.rand(6) + 0.1
+    out = widen_int8_rows({"m.weight_int8": q, "m.weight_scale": scale, "n.weight": torch.ones(2)}, "ckpt")
+    assert sorted(out) == ["m.weight", "n.weight"]
+    assert torch.allclose(out["m.weight"].double(), q.double() * scale.double()[:, None], rtol=1e-7, atol=0)
+    q[:, 0] = 127  # rows that use their whole range, as the export writes them
+    for dtype in (torch.float32, torch.bfloat16):  # head_quant="int8" on the widened rows: the same q
+        widened = widen_int8_rows({"m.weight_int8": q, "m.weight_scale": scale}, "ckpt")["m.weight"]
+        assert torch.equal(quantize_rows_int8(widened.to(dtype))[0], q)
+    with pytest.raises(ValueError, match=r"ckpt: m.weight_int8 needs .* m.weight_scale.*re-export"):
+        widen_int8_rows({"m.weight_int8": q}, "ckpt")
+    with pytest.raises(ValueError, match=r"m.weight_int8 needs an int8"):
+        widen_int8_rows({"m.weight_int8": q.float(), "m.weight_scale": scale}, "ckpt")

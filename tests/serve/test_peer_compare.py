@@ -52,6 +52,28 @@ def test_checkpoint_decode_bytes_skips_the_embedding_and_g_idx(tmp_path: Path) -
     assert rl.checkpoint_decode_bytes(tmp_path) == stored
     floats = 48 + 32 + 64 * 32  # re-priced at 4 bytes; the packed int32 stays as stored
     assert rl.checkpoint_decode_bytes(tmp_path, 4) == 4 * 48 * 4 + floats * 4
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    assert rl.head_bytes_saved_int8(tmp_path) == 64 * 32 - 4 * 64
+
+
+def test_checkpoint_decode_bytes_counts_a_tied_head(tmp_path: Path) -> None:
+    """A tied checkpoint has no lm_head.*: its head reads the whole embedding table every step,
+    in 16 bits or as the int8 rows (and scales) of an ``embedding_bits: 8`` export."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    norm = {"model.norm.weight": torch.zeros(32, dtype=torch.bfloat16)}
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(64, 32, dtype=torch.bfloat16), **norm},
+        str(tmp_path / "model.safetensors"),
+    )
+    assert rl.checkpoint_decode_bytes(tmp_path) == (64 * 32 + 32) * 2
+    assert rl.head_bytes_saved_int8(tmp_path) == 64 * 32 - 4 * 64
+    int8 = {
+        "model.embed_tokens.weight_int8": torch.zeros(64, 32, dtype=torch.int8),
+        "model.embed_tokens.weight_scale": torch.zeros(64, dtype=torch.float32),
+    }
+    save_file({**int8, **norm}, str(tmp_path / "model.safetensors"))
+    assert rl.checkpoint_decode_bytes(tmp_path) == 64 * 32 + 64 * 4 + 32 * 2
+    assert rl.head_bytes_saved_int8(tmp_path) == 0
 
 
 def test_roofline_bound_is_bandwidth_over_step_bytes() -> None:

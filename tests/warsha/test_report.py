@@ -93,8 +93,9 @@ def test_adaptation_latency_and_quantization_summary_plots(tmp_path: Path) -> No
         for name, size in (("F16", 80), ("Q4_K_M", 9))
     }
     gguf = {"stage": "quantize.gguf", "inputs": on_yarn["inputs"], "metrics": {"types": types}}
-    rows = quant_rows([("gptq", on_yarn), ("gguf", gguf)])
-    assert list(rows) == ["unquantized", "rtn", "gptq", "GGUF F16", "GGUF Q4_K_M"]
+    e8 = {**on_yarn, "metrics": {**gptq["metrics"], "embedding_bits": 8}}
+    rows = quant_rows([("gptq", e8), ("gguf", gguf)])
+    assert list(rows) == ["unquantized", "rtn", "gptq, int8 embedding", "GGUF F16", "GGUF Q4_K_M"]
     assert rows["GGUF Q4_K_M"] == ({"ar": 10.5}, 9)
     from warsha.report import quant_table
 

@@ -53,7 +53,8 @@ struct Bf16Rows {
   }
   inline float scalar(int64_t n, int64_t k) const { return bf16_to_float(w[n * K + k]); }
   // a block is one 64-byte cache line
-  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T1); }
+  template <int Hint = _MM_HINT_T1>
+  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), static_cast<_mm_hint>(Hint)); }
   static constexpr int64_t bytes(int64_t features) { return 2 * features; }
 };
 
@@ -67,10 +68,11 @@ struct F32Rows {
   }
   inline float scalar(int64_t n, int64_t k) const { return w[n * K + k]; }
   // a block is two 64-byte cache lines
+  template <int Hint = _MM_HINT_T1>
   inline void prefetch(int64_t n, int64_t k) const {
     const char* p = reinterpret_cast<const char*>(w + n * K + k);
-    _mm_prefetch(p, _MM_HINT_T1);
-    _mm_prefetch(p + 64, _MM_HINT_T1);
+    _mm_prefetch(p, static_cast<_mm_hint>(Hint));
+    _mm_prefetch(p + 64, static_cast<_mm_hint>(Hint));
   }
   static constexpr int64_t bytes(int64_t features) { return 4 * features; }
 };
@@ -86,8 +88,9 @@ struct Int8Rows {
   }
   inline float scalar(int64_t n, int64_t k) const { return static_cast<float>(q[n * K + k]); }
   // two blocks share a 64-byte cache line: one prefetch per line
+  template <int Hint = _MM_HINT_T1>
   inline void prefetch(int64_t n, int64_t k) const {
-    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * K + k), _MM_HINT_T1);
+    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * K + k), static_cast<_mm_hint>(Hint));
   }
   static constexpr int64_t bytes(int64_t features) { return features; }
 };
@@ -117,8 +120,9 @@ struct Int4Rows {
   }
   inline float scalar(int64_t, int64_t) const { return 0.f; }  // K is a multiple of 32: no tail
   // four blocks share a 64-byte cache line: one prefetch per line
+  template <int Hint = _MM_HINT_T1>
   inline void prefetch(int64_t n, int64_t k) const {
-    if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * (K / 2) + k / 2), _MM_HINT_T1);
+    if ((k & 127) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + n * (K / 2) + k / 2), static_cast<_mm_hint>(Hint));
   }
   static constexpr int64_t bytes(int64_t features) { return features / 2; }
 };
@@ -130,8 +134,9 @@ struct Int4Rows {
 // arithmetic time instead of the larger of the two. Each block therefore asks for the same block
 // of the output `ahead` rows on, into L2, about kL2Ahead bytes ahead of the reads (on a 278k x 640
 // float32 head, Zen 4: 5 rows went from 1.5x to 1.05x one row's time; prefetching into L1, or
-// only one row ahead, as before, left 3-5 rows at 1.3-1.7x). A single row keeps the hardware
-// prefetcher alone: it streams one weight row at memory speed.
+// only one row ahead, as before, left 3-5 rows at 1.3-1.7x). A single row takes the same
+// prefetch: on a 2-core Sapphire Rapids VM the hardware prefetchers alone streamed a float32
+// 270k x 640 head at 19 GB/s, with it 21 GB/s (int8 weights, bound by their widening, stay at 11-13).
 // Input features are walked in chunks (feature_chunk, gemv.cpp).
 template <int R, int A, typename Weights>
 void rows_kernel(const Weights& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
@@ -144,11 +149,11 @@ void rows_kernel(const Weights& W, const float* x, int64_t K, int64_t N, int64_t
       vf acc[R][kA];
       for (int r = 0; r < R; ++r)
         for (int a = 0; a < kA; ++a) acc[r][a] = vzero();
-      const bool prefetch = R >= 2 && n + ahead < N;
+      const bool prefetch = n + ahead < N;
       int64_t k = k0;
       for (; k + kBlock <= k1; k += kBlock) {
         vf w[kVecs];
-        if (prefetch) W.prefetch(n + ahead, k);
+        if (prefetch) W.template prefetch<>(n + ahead, k);
         W.block(n, k, w);
         for (int r = 0; r < R; ++r) {
           const float* xr = x + r * K + k;
@@ -170,10 +175,51 @@ void rows_kernel(const Weights& W, const float* x, int64_t K, int64_t N, int64_t
   }
 }
 
+// One activation row (decode at batch 1): kRowGroup output rows per pass, each with its own
+// accumulators (the same kA and order as rows_kernel<1, A>, so the same bits), and each block asks
+// for the same block of the next group's rows into L1. One output row at a time with the L2
+// prefetch left the int8 head (270k x 640, 2-core Sapphire Rapids VM) at 11-13 GB/s, bound by
+// the widening's latency chain; eight rows per pass with this prefetch ran 8-9.5 ms against 15.
+// Whole rows only (feature_chunk keeps K whole for one row); the last n1 % kRowGroup rows go
+// through rows_kernel.
+constexpr int kRowGroup = WARSHA_VEC == 512 ? 8 : 2;  // AVX2: 2 rows x 4 accumulators fill the 16 registers
+
+template <int kN, int A, typename Weights>
+void row_group_kernel(const Weights& W, const float* x, int64_t K, int64_t n0, int64_t n1, float* y) {
+  constexpr int kA = A < kVecs ? A : kVecs;
+  int64_t n = n0;
+  for (; n + kN <= n1; n += kN) {
+    vf acc[kN][kA];
+    for (int j = 0; j < kN; ++j)
+      for (int a = 0; a < kA; ++a) acc[j][a] = vzero();
+    const bool prefetch = n + 2 * kN <= n1;
+    int64_t k = 0;
+    for (; k + kBlock <= K; k += kBlock) {
+      if (prefetch)
+        for (int j = 0; j < kN; ++j) W.template prefetch<_MM_HINT_T0>(n + kN + j, k);
+      for (int j = 0; j < kN; ++j) {
+        vf w[kVecs];
+        W.block(n + j, k, w);
+        for (int i = 0; i < kVecs; ++i) acc[j][i % kA] = vfma(w[i], vload(x + k + kLanes * i), acc[j][i % kA]);
+      }
+    }
+    for (int j = 0; j < kN; ++j) {
+      float tail = 0.0f;
+      for (int64_t t = k; t < K; ++t) tail += W.scalar(n + j, t) * x[t];
+      vf s = acc[j][0];
+      for (int a = 1; a < kA; ++a) s = vadd(s, acc[j][a]);
+      y[n + j] = vsum(s) + tail;
+    }
+  }
+  if (n < n1) rows_kernel<1, A>(W, x, K, n1, n, n1, y);  // N = n1: y[n] and prefetches within range
+}
+
 template <typename Weights>
 void dispatch_rows(int rows, const Weights& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   switch (rows) {
-    case 1: return rows_kernel<1, 4>(W, x, K, N, n0, n1, y);
+    case 1:
+      if (feature_chunk(1, K) == K) return row_group_kernel<kRowGroup, 4>(W, x, K, n0, n1, y);
+      return rows_kernel<1, 4>(W, x, K, N, n0, n1, y);
     case 2: return rows_kernel<2, 4>(W, x, K, N, n0, n1, y);
     case 3: return rows_kernel<3, 2>(W, x, K, N, n0, n1, y);
     case 4: return rows_kernel<4, 2>(W, x, K, N, n0, n1, y);
@@ -316,6 +362,41 @@ void dot_bf16_kernel(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N,
   }
 }
 
+// One activation row (decode at batch 1): kN output rows at a time, each with its own
+// accumulator, sharing each activation block's load, and each block asks for the same block of
+// the next group's rows into L1 (kN rows ahead: 10 KB for K = 640). The hardware prefetchers
+// alone kept a single-row pass at 14-16 GB/s on a 2-core Sapphire Rapids VM (270k x 640 bf16
+// head: 21.7-23.7 ms); with the software prefetch 12.7-14.1 ms, 24-27 GB/s, past what a torch sum
+// reads (19.9 GB/s). More rows per group without it gained little (8: 20.9-22.6 ms).
+// Whole rows only (feature_chunk keeps K whole for one row).
+constexpr int kRow1Group = 8;  // output rows per group of dot_bf16_row1
+
+template <int kN>
+void dot_bf16_row1(const uint16_t* w, const uint16_t* x, int64_t K, int64_t n0, int64_t n1, float* y) {
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (K % kBlock)) - 1);
+  const int64_t full = K / kBlock * kBlock;
+  int64_t n = n0;
+  for (; n + kN <= n1; n += kN) {
+    __m512 acc[kN];
+    for (int j = 0; j < kN; ++j) acc[j] = _mm512_setzero_ps();
+    const uint16_t* wn = w + n * K;
+    const bool prefetch = n + 2 * kN <= n1;
+    for (int64_t k = 0; k < full; k += kBlock) {
+      if (prefetch)
+        for (int j = 0; j < kN; ++j) _mm_prefetch(reinterpret_cast<const char*>(wn + (kN + j) * K + k), _MM_HINT_T0);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+      for (int j = 0; j < kN; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(wn + j * K + k));
+    }
+    if (full < K) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + full);
+      for (int j = 0; j < kN; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_maskz_loadu_epi16(tail, wn + j * K + full));
+    }
+    for (int j = 0; j < kN; ++j) y[n + j] = _mm512_reduce_add_ps(acc[j]);
+  }
+  if (n < n1) dot_bf16_kernel<1>(w, x, K, n1, n, n1, y);  // the last rows one at a time (N = n1 here)
+}
+
 // x [M, K] bf16 (contiguous) @ w.T, in chunks of up to kMaxRows rows, outputs split across threads.
 torch::Tensor gemv_bf16_dot(const torch::Tensor& x_in, const torch::Tensor& w, at::ScalarType out_dtype) {
   const torch::Tensor xc = x_in.contiguous();
@@ -328,6 +409,7 @@ torch::Tensor gemv_bf16_dot(const torch::Tensor& x_in, const torch::Tensor& w, a
     const uint16_t* xr = x + m0 * K;
     float* yp = y.data() + m0 * N;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      if (rows == 1 && feature_chunk(1, K) == K) return dot_bf16_row1<kRow1Group>(wp, xr, K, n0, n1, yp);
       by_rows(rows, [&](auto R) { dot_bf16_kernel<decltype(R)::value>(wp, xr, K, N, n0, n1, yp); });
     });
   }

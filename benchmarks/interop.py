@@ -108,7 +108,7 @@ def compared(
 
 
 def try_serve(export: Path, prompts: list[list[int]], n: int, dtype: str, rows: list, name: str) -> Any:
-    """serve's engine and outputs in `dtype`, or None with a failed row (serve reads GPTQ layouts only)."""
+    """serve's engine and outputs in `dtype`, or None with a failed row (an export serve cannot load)."""
     try:
         return serve_greedy(export, prompts, n, dtype)
     except Exception as exc:  # noqa: BLE001 - the table reports it

@@ -21,23 +21,33 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "GPTQConfig", "ModelConfig"]
 
 @dataclass(frozen=True)
 class GPTQConfig:
-    """The `quantization_config` of a GPTQ checkpoint (4-bit only)."""
+    """The `quantization_config` of a 4-bit GPTQ checkpoint, or of an AWQ-GEMM one (`layout`
+    "awq": its words are repacked into GPTQ v2 at load, `serve.awq`)."""
 
     bits: int
     group_size: int
     sym: bool
     desc_act: bool
     checkpoint_format: str
+    layout: str = "gptq"
 
     @classmethod
     def from_dict(cls, qc: dict[str, Any], path: Path) -> "GPTQConfig":
         """Validate and read `qc`; errors name the file and the offending key."""
         method = qc.get("quant_method")
-        if method != "gptq":
-            raise ValueError(f"{path}: quantization_config.quant_method={method!r} is not supported; only 'gptq' is")
-        bits = int(qc.get("bits", 4))
+        if method not in ("gptq", "awq"):
+            raise ValueError(
+                f"{path}: quantization_config.quant_method={method!r} is not supported; 'gptq' and 'awq' are"
+            )
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
         if bits != 4:
-            raise ValueError(f"{path}: quantization_config.bits={bits} is not supported; only 4-bit GPTQ is")
+            raise ValueError(f"{path}: quantization_config.bits={bits} is not supported; only 4-bit weights are")
+        if method == "awq":
+            version = str(qc.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ValueError(f"{path}: quantization_config.version={version!r}; only AWQ's 'gemm' layout is served")
+            group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+            return cls(bits, group, not bool(qc.get("zero_point", True)), False, "gptq_v2", "awq")
         fmt = qc.get("checkpoint_format", "gptq") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"{path}: quantization_config.checkpoint_format={fmt!r}; supported: 'gptq', 'gptq_v2'")

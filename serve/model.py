@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from serve import cpu_kernels
 from serve.args import HEAD_QUANTS
 from serve.attention import AttentionBackend, SeqChunk, get_backend
+from serve.awq import awq_to_gptq_state
 from serve.config import ModelConfig
 from serve.cpu import upcast_bf16_default
 from serve.head import SLICE_ROWS, LogitsBuffer, SlicedHead
@@ -78,6 +79,8 @@ class DecoderModel:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.int4_activations, self.head_quant = int4_activations, head_quant
         self.backend = backend or get_backend(self.device)
+        if config.quant is not None and config.quant.layout == "awq":
+            state = awq_to_gptq_state(state)
         if self.device.type != "cpu":
             state = {k: v.to(self.device) for k, v in state.items()}
         self.embed = state["model.embed_tokens.weight"].to(dtype)

@@ -200,3 +200,33 @@ def test_export_stores_the_embedding_in_int8_rows(make_ctx: Any) -> None:
         for prompt, out in zip(prompts, outs):
             ids = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
             assert out.token_ids == ids[0, len(prompt) :].tolist()
+
+
+def test_serve_loads_the_awq_gemm_layout(make_ctx: Any) -> None:
+    """An asymmetric AWQ-GEMM export (what vLLM's CPU backend loads): serve repacks it into GPTQ v2
+    words at load (`serve.awq`), its int4 weights equal the dequant reference's float32 weights,
+    and its greedy tokens equal transformers' on the dequantized model."""
+    import torch
+
+    from quantize.dequant import load_dequantized, read_safetensors
+    from serve.awq import awq_to_gptq_state
+    from serve.engine import LLM
+    from serve.quant import gptq_dequantize
+    from serve.sampler import SamplingParams
+
+    ctx = make_ctx(name="awq_gemm")
+    STAGES["rtn"].run(ctx, RTNParams(**SMALL, format="awq", sym=False))
+    assert _check_artifact(ctx.out_dir, "rtn")["quant_method"] == "awq"
+    ref = load_dequantized(ctx.out_dir, torch.float32)
+    state = awq_to_gptq_state(read_safetensors(ctx.out_dir))
+    name = "model.layers.1.mlp.down_proj"
+    g_idx = torch.arange(state[f"{name}.qweight"].shape[0] * 8) // 32
+    w = gptq_dequantize(state[f"{name}.qweight"], state[f"{name}.qzeros"], state[f"{name}.scales"], g_idx, "gptq_v2")
+    assert torch.equal(w, ref.get_submodule(name).weight)
+    prompts = [[0, 5 + i, 40 + 3 * i, 200 + i] for i in range(3)]
+    engine = LLM(ctx.out_dir, dtype="float32", int4_activations="float")
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            ids = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+            assert out.token_ids == ids[0, len(prompt) :].tolist()

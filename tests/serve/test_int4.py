@@ -144,3 +144,28 @@ def test_int4_activations_option_reaches_the_linears_and_is_validated(int4_pair:
         assert all(lin.int8_activations is a8 for lin in linears)
     with pytest.raises(ValueError, match="int4_activations='int4'"):
         LLM(qdir, int4_activations="int4")
+
+
+def test_quantization_configs_serve_reads_and_refuses(tmp_path: Path) -> None:
+    """GPTQ and AWQ-GEMM are read (AWQ as GPTQ v2 words, zero points unless zero_point: false);
+    anything else is refused naming the file and the key, before weights are read."""
+    from serve.config import GPTQConfig
+
+    path = tmp_path / "config.json"
+    awq = GPTQConfig.from_dict({"quant_method": "awq", "version": "GEMM", "bits": 4, "group_size": 64}, path)
+    assert (awq.layout, awq.checkpoint_format, awq.group_size, awq.sym, awq.desc_act) == (
+        "awq",
+        "gptq_v2",
+        64,
+        False,
+        False,
+    )
+    assert GPTQConfig.from_dict({"quant_method": "awq", "zero_point": False}, path).sym
+    for qc, match in (
+        ({"quant_method": "awq", "version": "gemv"}, r"version='gemv'; only AWQ's 'gemm'"),
+        ({"quant_method": "exl2"}, r"quant_method='exl2' is not supported; 'gptq' and 'awq' are"),
+        ({"quant_method": "gptq", "bits": 8}, r"bits=8 is not supported"),
+    ):
+        with pytest.raises(ValueError, match=match) as err:
+            GPTQConfig.from_dict(qc, path)
+        assert str(path) in str(err.value)

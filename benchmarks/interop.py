@@ -65,6 +65,7 @@ def transformers_greedy(export: Path, prompts: list[list[int]], n: int, dtype: t
     else:
         model = AutoModelForCausalLM.from_pretrained(export, dtype=dtype)
     model.eval()
+    model.generation_config.max_length = None  # a long-context config's max_length beside max_new_tokens warns per call
     outs = []
     with torch.inference_mode():
         for p in prompts:

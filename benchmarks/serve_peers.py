@@ -101,7 +101,7 @@ def run_llamacpp(model_dir: Path, prompt: list[int], n: int, args: argparse.Name
         "converter": str(
             venv / "src" / f"llama_cpp_python-{LLAMACPP_VERSION}" / "vendor/llama.cpp/convert_hf_to_gguf.py"
         ),
-        "formats": ["f16", "q4_0"],
+        "formats": ["f16", "q4_0", "q4_k_m"],
         "threads": args.threads,
         "prompt": prompt,
         "new_tokens": n,
@@ -159,7 +159,7 @@ def decode_rows(
     peers: dict[str, Any] = {}
     if "llamacpp" not in args.skip:
         peers["llamacpp"] = lc = run_llamacpp(model_dir, prompt, n, args)
-        for fmt, bits in (("f16", 16), ("q4_0", 4)):
+        for fmt, bits in (("f16", 16), ("q4_0", 4), ("q4_k_m", 4)):
             r = lc.get("formats", {}).get(fmt, {"error": lc.get("error", "not run")})
             add(bits, f"llama.cpp {fmt.upper()}", r, r.get("bytes", {}).get("decode_read", 0), 2, model_dir)
     if "hf" not in args.skip:

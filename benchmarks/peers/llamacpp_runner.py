@@ -6,7 +6,7 @@ Runs inside the venv that setup_llamacpp.sh builds (never the project's .venv):
 
 SPEC holds `stage_dir` (the checkpoint laid out for the converter), `gguf_dir` (this checkpoint's
 cache: conversions are reused while the checkpoint's size and mtime match), `converter` (the sdist's
-vendor/llama.cpp/convert_hf_to_gguf.py), `formats` (a list of "f16" and "q4_0"), `threads`, `prompt`
+vendor/llama.cpp/convert_hf_to_gguf.py), `formats` (a list of "f16", "q4_0" and "q4_k_m"), `threads`, `prompt`
 (token ids), `new_tokens` and `out` (where the result JSON goes).
 
 The converter reads the tokenizer beside the weights. The benchmark's random checkpoints have none;
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-FTYPES = {"f16": 1, "q4_0": 2}
+FTYPES = {"f16": 1, "q4_0": 2, "q4_k_m": 15}  # llama_ftype values
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -68,12 +68,14 @@ def gguf_file(spec: dict[str, Any], fmt: str) -> Path:
 
 
 def tensor_bytes(path: Path) -> dict[str, int]:
-    """Bytes of the file's tensors: all, and those a decode step reads (all but the token embedding table)."""
+    """Bytes of the file's tensors: all, and those a decode step reads (all but the token embedding
+    table, unless the model ties its output to it: without an ``output.weight`` the head reads it)."""
     from gguf import GGUFReader
 
     tensors = GGUFReader(str(path)).tensors
     total = sum(int(t.n_bytes) for t in tensors)
-    embed = sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight")
+    tied = not any(t.name == "output.weight" for t in tensors)
+    embed = 0 if tied else sum(int(t.n_bytes) for t in tensors if t.name == "token_embd.weight")
     types = sorted({t.tensor_type.name for t in tensors})
     return {"all": total, "decode_read": total - embed, "types": types}  # type: ignore[dict-item]
 

@@ -65,6 +65,12 @@ class EngineArgs:
         "always speculate instead of letting each request draft the window its own acceptance pays for",
         flag="--no-adaptive-speculation",
     )
+    cuda_graphs: bool = option(
+        True,
+        "on CUDA, run every decode step eagerly instead of replaying CUDA graphs captured per batch size"
+        " (serve.decode_graphs; graphs need the Triton backend)",
+        flag="--enforce-eager",
+    )
     seed: int = option(0, "seed of the engine's default sampler (requests may pass their own seed)")
     draft_vocab_size: int | None = option(
         None,

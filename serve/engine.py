@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from serve import cpu_kernels
+from serve import cpu_kernels, decode_graphs, device_io
 from serve.args import EngineArgs
 from serve.attention.backend import get_backend
 from serve.block_manager import BlockManager, blocks_to_hold
@@ -74,8 +74,8 @@ class LLM:
     ) -> None:
         """Load the target (and draft) with `args`, or with `EngineArgs(**overrides)`: the
         keyword form (`LLM(path, dtype="float32", block_size=8)`) is the same options spelled
-        inline. `device="cuda"` puts weights and KV cache on the GPU with the Triton kernels;
-        sampling stays on the host. The CUDA path has only run under Triton's interpreter."""
+        inline. `device="cuda"` puts weights, KV cache and sampling on the GPU with the Triton
+        kernels and CUDA graphs for decode steps (docs/gpu.md says what of it has run on a GPU)."""
         if args is None:
             args = EngineArgs(**overrides)  # type: ignore[arg-type]
         elif overrides:
@@ -118,6 +118,8 @@ class LLM:
         self.runner = ModelRunner(
             target, target.new_kv_cache(num_blocks, block_size), draft, draft_kv, args.seed, lookup
         )
+        if args.cuda_graphs and torch.device(args.device).type == "cuda":
+            self._capture_graphs(args.max_num_seqs)
         speculates = draft is not None or lookup is not None
         self.spec = SpecController(args.num_speculative_tokens, args.adaptive_speculation) if speculates else None
         self.sampler = Sampler(args.seed)
@@ -132,6 +134,14 @@ class LLM:
         self._step_spec = (0, 0)
 
     # ----------------------------------------------------------------- loading
+    def _capture_graphs(self, max_batch: int) -> None:
+        """CUDA graphs of the target's and the draft's decode forwards, in one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        r = self.runner
+        decode_graphs.install(r.target, r.target_kv, max_batch, self.max_model_len, decode_graphs.cuda_capture, pool)
+        if r.draft is not None and r.draft_kv is not None:
+            decode_graphs.install(r.draft, r.draft_kv, max_batch, self.max_model_len, decode_graphs.cuda_capture, pool)
+
     def _load_draft(self, draft_dir: str | Path, dtype: torch.dtype) -> DecoderModel:
         """Load the draft and refuse it when its vocabulary differs from the target's."""
         draft_cfg = ModelConfig.from_dir(draft_dir)
@@ -364,9 +374,11 @@ class LLM:
         seqs = [batch.seqs[i] for i in proposal.rows]
         res = self.runner.verify(proposal, spec_logits, seqs, self._generators)
         out: NewTokens = {}
-        self._step_spec = (int(proposal.counts.sum()), int(res.num_accepted.sum()))
+        # one read-back: each row's accepted count, then its emitted ids
+        emitted = device_io.to_host(torch.cat([res.num_accepted[:, None], res.tokens], dim=1))
+        self._step_spec = (sum(proposal.counts), sum(line[0] for line in emitted))
         for j, (row, seq) in enumerate(zip(proposal.rows, seqs)):
-            m, k = int(res.num_accepted[j]), int(proposal.counts[j])
+            m, k = emitted[j][0], proposal.counts[j]
             n = seq.num_tokens
             # target K/V is valid for the last token and the m accepted drafts; the draft wrote
             # positions up to n + k - 2. num_new_tokens (1) is added back in _commit.
@@ -374,7 +386,7 @@ class LLM:
             looked_up = bool(proposal.looked_up and proposal.looked_up[j])
             if not looked_up:  # a looked-up row left the draft where it was
                 seq.draft_num_computed_tokens = min(n - 1 + k, n + m)
-            out[row] = [(int(t), None) for t in res.tokens[j, : m + 1]]
+            out[row] = [(t, None) for t in emitted[j][1 : m + 2]]
             if self.spec is not None:
                 self.spec.observe(seq.request_id, k, m)
             self.stats.spec_proposed += k

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from serve import device_io
+
 
 class KVCache:
     """Paged K/V storage for one model."""
@@ -50,10 +52,9 @@ class KVCache:
         """Copy whole blocks src -> dst in every layer (copy-on-write)."""
         if not pairs:
             return
-        bs = self.block_size
-        offsets = torch.arange(bs)
-        src = torch.cat([offsets + s * bs for s, _ in pairs]).to(self.k.device)
-        dst = torch.cat([offsets + d * bs for _, d in pairs]).to(self.k.device)
+        bs, device = self.block_size, self.k.device
+        src = device_io.tensor([s * bs + o for s, _ in pairs for o in range(bs)], torch.long, device)
+        dst = device_io.tensor([d * bs + o for _, d in pairs for o in range(bs)], torch.long, device)
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
 

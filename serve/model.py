@@ -10,13 +10,14 @@ blocks their window can still see.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from serve import cpu_kernels
+from serve import cpu_kernels, device_io
 from serve.args import HEAD_QUANTS
 from serve.attention import AttentionBackend, SeqChunk, get_backend
 from serve.awq import awq_to_gptq_state
@@ -54,6 +55,10 @@ class ForwardBatch:
     chunks: list[SeqChunk]
     logits_indices: torch.Tensor  # rows whose logits are needed
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The host-built index tensors a forward stages to its device: ids, positions, rows."""
+        return self.input_ids, self.positions, self.logits_indices
+
 
 class DecoderModel:
     """Weights plus the forward; holds no per-request state (the KV cache is passed in)."""
@@ -85,7 +90,8 @@ class DecoderModel:
             state = {k: v.to(self.device) for k, v in state.items()}
         self.embed = state["model.embed_tokens.weight"].to(dtype)
         fam = config.family
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype) if fam.embed_scale else None
+        scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
+        self.embed_scale = scale if fam.embed_scale else None
         self.norm = Norm(state["model.norm.weight"], config.rms_norm_eps, fam.norm_plus_one, dtype)
         self.act = activation(config.activation)
         head = state.get("lm_head.weight")
@@ -95,14 +101,16 @@ class DecoderModel:
         self.head = self._make_head()
         self._logits = LogitsBuffer()
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: vocabulary id of each logit column
+        # logits of a decode batch from a captured graph, None where it does not apply (set by the engine)
+        self.decode_graph: Callable[[ForwardBatch, KVCache], torch.Tensor | None] | None = None
         triton_int4 = getattr(self.backend, "name", "") == "triton"  # Triton int4 GEMM too, also when interpreted
         self.layers = [
             load_layer(state, i, config, dtype, self.device, int4_activations, triton_int4)
             for i in range(config.num_layers)
         ]
-        self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype)
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len, dtype, self.device)
         self.rope_local = (
-            RotaryEmbedding(config.rope_local, config.head_dim, config.max_model_len, dtype)
+            RotaryEmbedding(config.rope_local, config.head_dim, config.max_model_len, dtype, self.device)
             if config.rope_local != config.rope
             else self.rope
         )
@@ -150,7 +158,7 @@ class DecoderModel:
             raise ValueError(f"draft vocabulary: token ids must be distinct and in [0, {vocab}), got {ids.numel()} ids")
         self.lm_head = self.lm_head.index_select(0, ids.to(self.lm_head.device))
         self.head = self._make_head()
-        self.head_ids = ids
+        self.head_ids = ids.to(self.lm_head.device)
 
     def bind_kv_layout(self, target: KVLayout) -> None:
         """Use `target`'s block groups (a draft sharing the target's block tables)."""
@@ -181,7 +189,8 @@ class DecoderModel:
                 replace(c, block_table=c.group_tables[g - 1] if g else c.block_table, window=layer.window)
                 for c in chunks
             ]
-            metas[key] = self.backend.build_metadata(group_chunks, block_size)
+            with device_io.staging():  # host planning; each backend stages its tensors to the device
+                metas[key] = self.backend.build_metadata(group_chunks, block_size)
         return metas
 
     @torch.inference_mode()
@@ -190,18 +199,37 @@ class DecoderModel:
 
         float32 also because argmax over bf16 takes a slow path on CPU (3x the upcast + argmax).
         `reuse_logits`: the logits may live in this model's buffer, overwritten by its next
-        forward (the engine's step loop, which consumes them first; `serve.head`).
+        forward (the engine's step loop, which consumes them first; `serve.head`). A decode batch
+        goes through `decode_graph` where one is installed (CUDA graphs, `serve.decode_graphs`).
+        """
+        if self.decode_graph is not None and (logits := self.decode_graph(batch, kv)) is not None:
+            return logits if reuse_logits else logits.clone()
+        metas = self._group_metadata(batch.chunks, kv.block_size)
+        rope_lens = [(ch.query_start, ch.query_len, ch.context_len) for ch in batch.chunks]
+        ids, positions, rows = (device_io.to_device(t, self.device) for t in batch.tensors())
+        return self.compute(ids, positions, rows, metas, kv, reuse_logits, rope_lens)
+
+    def compute(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        metas: dict[tuple[int, int | None], object],
+        kv: KVCache,
+        reuse_logits: bool = False,
+        rope_lens: list[tuple[int, int, int]] | None = None,
+    ) -> torch.Tensor:
+        """The forward's device work, from staged ids/positions/logits rows and built metadata.
+
+        Reads nothing back and builds nothing on the host (dynamic NTK's long sequences aside,
+        whose `rope_lens` recompute frequencies): the part a CUDA graph captures.
         """
         c = self.config
-        metas = self._group_metadata(batch.chunks, kv.block_size)
         write_kv = getattr(self.backend, "write_kv", None)
-        rope_lens = [(ch.query_start, ch.query_len, ch.context_len) for ch in batch.chunks]
-        tables = {None: self.rope.lookup(batch.positions, rope_lens)}  # tables stay on CPU (small)
+        tables = {None: self.rope.lookup(positions, rope_lens)}
         if self.rope_local is not self.rope and any(layer.window for layer in self.layers):
-            tables[1] = self.rope_local.lookup(batch.positions, rope_lens)
-        if self.device.type != "cpu":
-            tables = {k: (cos.to(self.device), sin.to(self.device)) for k, (cos, sin) in tables.items()}
-        x = F.embedding(batch.input_ids.to(self.device), self.embed)
+            tables[1] = self.rope_local.lookup(positions, rope_lens)
+        x = F.embedding(ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         n_q, n_kv, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
@@ -225,11 +253,11 @@ class DecoderModel:
             gate, up = layer.gate_up(layer.pre_mlp_norm(x)).chunk(2, dim=-1)
             m = layer.down(self.act(gate) * up)
             x = x + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
-        x = self.norm(x.index_select(0, batch.logits_indices.to(self.device)))
+        x = self.norm(x.index_select(0, rows))
         if isinstance(self.head, SlicedHead):
             logits = self.head(x, self._logits.take(x.shape[0], self.head.out_features) if reuse_logits else None)
         else:
-            logits = self.head(x).float().cpu()  # sampling runs on the host
+            logits = self.head(x).float()  # on the device: the sampler runs there (serve.device_io)
         cap = c.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from serve import device_io
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 YARN_BETA_FAST = 32.0
 YARN_BETA_SLOW = 1.0
@@ -320,16 +322,21 @@ def cos_sin(
 class RotaryEmbedding:
     """Precomputed cos/sin table; dynamic NTK recomputes per sequence past the trained length."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        """Tables for positions [0, max_len) in `dtype`, kept on `device` (the model's): a step
+        then gathers its rows where the positions already are, with no copy of the rows."""
         self.rope, self.head_dim, self.dtype = rope, head_dim, dtype
         inv, attn = inv_freq_and_attention_factor(rope, head_dim)
         cos, sin = cos_sin(inv, attn, torch.arange(max_len))
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
 
     def lookup(
         self, positions: torch.Tensor, seq_lens: list[tuple[int, int, int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for `positions`; `seq_lens` gives (start, count, length) per sequence chunk.
+        """cos/sin rows for `positions` (on the tables' device); `seq_lens` gives (start, count,
+        length) per sequence chunk.
 
         For dynamic NTK each chunk uses its own sequence length, as transformers does for a
         single sequence, so that cached keys match a plain forward at the time they were written.
@@ -339,7 +346,9 @@ class RotaryEmbedding:
             return cos, sin
         for start, count, length in seq_lens:
             if length > self.rope.max_position_embeddings:
-                inv, attn = inv_freq_and_attention_factor(self.rope, self.head_dim, length)
+                with device_io.staging():  # frequencies from Python floats, staged like any step input
+                    inv, attn = inv_freq_and_attention_factor(self.rope, self.head_dim, length)
+                    inv = device_io.to_device(inv, positions.device)
                 c, s = cos_sin(inv, attn, positions[start : start + count])
                 cos[start : start + count], sin[start : start + count] = c.to(self.dtype), s.to(self.dtype)
         return cos, sin

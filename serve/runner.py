@@ -2,7 +2,8 @@
 
 Separated from `engine.py` so that the engine keeps request bookkeeping and this module keeps
 tensor work. Everything a call needs is passed in; the runner owns only the models, their KV
-caches and the default random generator.
+caches and the default random generator. Tensors live on the target's device; host values
+reach it through `serve.device_io`, and only sampled ids come back (once per forward).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from serve import device_io
 from serve.attention import SeqChunk
 from serve.kv_cache import KVCache
 from serve.model import DecoderModel, ForwardBatch
 from serve.prompt_lookup import lookup
-from serve.sampler import SamplingParams, argmax_ids, param_tensors, process_logits, sample
+from serve.sampler import SamplingParams, argmax_ids, processed, sample
 from serve.scheduler import ScheduledBatch
 from serve.sequence import Sequence
 from serve.spec_decode import RejectionResult, greedy_verify, rejection_sample
@@ -26,9 +28,9 @@ class Proposal:
     """Draft tokens for the speculating rows of a batch (row i of the batch -> index here)."""
 
     rows: list[int]
-    tokens: torch.Tensor  # [S, kmax] (padding 0)
+    tokens: torch.Tensor  # [S, kmax] (padding 0), on the device
     probs: torch.Tensor | None  # [S, kmax, V] (padding 0); None when every speculating row is greedy
-    counts: torch.Tensor  # [S] real drafts per row
+    counts: list[int]  # [S] real drafts per row (host: the step plans with them)
     looked_up: list[bool] | None = None  # per row: drafted by prompt lookup (None: all by the draft model)
 
 
@@ -44,7 +46,9 @@ class TargetOutput:
 def build_forward(
     seqs: list[Sequence], starts: list[int], token_lists: list[list[int]], logits_rows: list[list[int]]
 ) -> ForwardBatch:
-    """Flat batch from per-sequence chunks; `logits_rows[i]` are offsets within chunk i."""
+    """Flat batch from per-sequence chunks; `logits_rows[i]` are offsets within chunk i.
+
+    Its tensors are built on the host and staged by the model's forward (`serve.device_io`)."""
     ids: list[int] = []
     positions: list[int] = []
     chunks: list[SeqChunk] = []
@@ -55,12 +59,13 @@ def build_forward(
         positions.extend(range(start, start + len(toks)))
         chunks.append(SeqChunk(base, len(toks), start + len(toks), seq.block_table, tuple(seq.group_tables)))
         wanted.extend(base + r for r in rows)
-    return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        chunks=chunks,
-        logits_indices=torch.tensor(wanted, dtype=torch.long),
-    )
+    with device_io.staging():
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            chunks=chunks,
+            logits_indices=torch.tensor(wanted, dtype=torch.long),
+        )
 
 
 class ModelRunner:
@@ -79,6 +84,7 @@ class ModelRunner:
         self.target, self.target_kv = target, target_kv
         self.draft, self.draft_kv = draft, draft_kv
         self.lookup_sizes = lookup_sizes
+        self.device = target.device
         self.generator = torch.Generator().manual_seed(seed + 1)
         self.num_draft_forwards = 0
         self.num_target_forwards = 0
@@ -147,17 +153,14 @@ class ModelRunner:
         if not looked:
             return drafted
         rows = sorted([*looked, *(drafted.rows if drafted else [])])
-        counts = torch.tensor([len(looked[i]) if i in looked else 0 for i in rows])
-        tokens = torch.zeros(
-            len(rows), max(int(counts.max()), drafted.tokens.shape[1] if drafted else 0), dtype=torch.long
-        )
-        for j, i in enumerate(rows):
-            if i in looked:
-                tokens[j, : len(looked[i])] = torch.tensor(looked[i])
+        drafted_of = dict(zip(drafted.rows, drafted.counts)) if drafted else {}
+        counts = [len(looked[i]) if i in looked else drafted_of[i] for i in rows]
+        width = max(max(counts), drafted.tokens.shape[1] if drafted else 0)
+        padded = [looked.get(i, []) + [0] * (width - len(looked.get(i, []))) for i in rows]
+        tokens = device_io.tensor(padded, torch.long, self.device)
         if drafted is not None:
-            at = [rows.index(i) for i in drafted.rows]
+            at = device_io.tensor([rows.index(i) for i in drafted.rows], torch.long, self.device)
             tokens[at, : drafted.tokens.shape[1]] = drafted.tokens
-            counts[at] = drafted.counts
         probs = None
         if not all(batch.seqs[i].params.greedy for i in rows):
             probs = self._one_hot(tokens, counts)
@@ -165,11 +168,16 @@ class ModelRunner:
                 probs[at, : drafted.tokens.shape[1]] = drafted.probs
         return Proposal(rows=rows, tokens=tokens, probs=probs, counts=counts, looked_up=[i in looked for i in rows])
 
-    def _one_hot(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _one_hot(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """q for certain guesses: [S, k, V], one at each real draft token, zero past a row's count."""
-        probs = torch.zeros(*tokens.shape, self.target.lm_head.shape[0])
+        probs = torch.zeros(*tokens.shape, self.target.lm_head.shape[0], device=self.device)
         probs.scatter_(2, tokens[..., None], 1.0)
-        return probs * (torch.arange(tokens.shape[1])[None, :] < counts[:, None])[..., None]
+        real = torch.arange(tokens.shape[1], device=self.device)[None, :] < self._counts(counts)[:, None]
+        return probs * real[..., None]
+
+    def _counts(self, counts: list[int]) -> torch.Tensor:
+        """Per-row draft counts as a device tensor."""
+        return device_io.tensor(counts, torch.long, self.device)
 
     def _draft_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of draft logit columns (they differ when the draft's head is restricted)."""
@@ -181,14 +189,15 @@ class ModelRunner:
         ids = self.draft.head_ids if self.draft is not None else None
         if ids is None:
             return logits
-        full = torch.full((logits.shape[0], self.target.lm_head.shape[0]), float("-inf"), dtype=logits.dtype)
+        vocab = self.target.lm_head.shape[0]
+        full = torch.full((logits.shape[0], vocab), float("-inf"), dtype=logits.dtype, device=logits.device)
         return full.index_copy_(1, ids, logits)
 
     def _draft_sample(
         self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft token and its processed distribution q for each row."""
-        probs = process_logits(self._full_vocab(logits), *param_tensors(params))
+        probs = processed(self._full_vocab(logits), params)
         return sample(probs, gens, self.generator), probs
 
     def _propose_rest(
@@ -196,60 +205,63 @@ class ModelRunner:
     ) -> Proposal:
         """Sample d_1 from the first draft forward, then one forward per further draft token."""
         seqs = [batch.seqs[i] for i in rows]
-        counts = torch.tensor([batch.num_spec_tokens[i] for i in rows])
-        kmax = int(counts.max())
+        counts = [batch.num_spec_tokens[i] for i in rows]
         params = [s.params for s in seqs]
         gens = [generators.get(s.request_id) for s in seqs]
         if all(p.greedy for p in params):
             return self._propose_greedy(seqs, rows, logits, counts)
-        tokens = torch.zeros(len(rows), kmax, dtype=torch.long)
-        probs = torch.zeros(len(rows), kmax, self.target.lm_head.shape[0])
+        tokens = torch.zeros(len(rows), max(counts), dtype=torch.long, device=self.device)
+        probs = torch.zeros(len(rows), max(counts), self.target.lm_head.shape[0], device=self.device)
         tokens[:, 0], probs[:, 0] = self._draft_sample(logits, params, gens)
-        for j in range(1, kmax):
+        for j in range(1, max(counts)):
             live = [r for r in range(len(rows)) if counts[r] > j]
-            fb = build_forward(
-                [seqs[r] for r in live],
-                [seqs[r].num_tokens + j - 1 for r in live],
-                [[int(tokens[r, j - 1])] for r in live],
-                [[0] for _ in live],
-            )
-            step_logits = self.draft.forward(fb, self.draft_kv)
-            self.num_draft_forwards += 1
+            step_logits = self._draft_step(seqs, tokens, live, j)
             t, p = self._draft_sample(step_logits, [params[r] for r in live], [gens[r] for r in live])
-            tokens[live, j], probs[live, j] = t, p
+            at = self._rows(live, len(rows))
+            tokens[at, j], probs[at, j] = t, p
         return Proposal(rows=rows, tokens=tokens, probs=probs, counts=counts)
 
+    def _draft_step(self, seqs: list[Sequence], tokens: torch.Tensor, live: list[int], j: int) -> torch.Tensor:
+        """Draft logits of position j for rows `live`, fed their draft token j - 1 (read back:
+        the sampled ids the next forward's input is built from)."""
+        previous = device_io.to_host(tokens[:, j - 1])
+        fb = build_forward(
+            [seqs[r] for r in live],
+            [seqs[r].num_tokens + j - 1 for r in live],
+            [[previous[r]] for r in live],
+            [[0] for _ in live],
+        )
+        self.num_draft_forwards += 1
+        return self.draft.forward(fb, self.draft_kv)
+
+    def _rows(self, live: list[int], total: int) -> torch.Tensor | slice:
+        """Index of rows `live` of a [total, ...] device tensor (a slice when all are live)."""
+        return slice(None) if len(live) == total else device_io.tensor(live, torch.long, self.device)
+
     def _propose_greedy(
-        self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, counts: torch.Tensor
+        self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor, counts: list[int]
     ) -> Proposal:
         """Argmax drafts without distributions: for greedy rows q is one-hot, so verification
         needs only the tokens, and the [S, k, V] probabilities and noise are never built."""
-        kmax = int(counts.max())
-        tokens = torch.zeros(len(rows), kmax, dtype=torch.long)
+        tokens = torch.zeros(len(rows), max(counts), dtype=torch.long, device=self.device)
         tokens[:, 0] = self._draft_ids(logits.argmax(-1))
-        for j in range(1, kmax):
+        for j in range(1, max(counts)):
             live = [r for r in range(len(rows)) if counts[r] > j]
-            fb = build_forward(
-                [seqs[r] for r in live],
-                [seqs[r].num_tokens + j - 1 for r in live],
-                [[int(tokens[r, j - 1])] for r in live],
-                [[0] for _ in live],
-            )
-            tokens[live, j] = self._draft_ids(self.draft.forward(fb, self.draft_kv).argmax(-1))
-            self.num_draft_forwards += 1
+            tokens[self._rows(live, len(rows)), j] = self._draft_ids(self._draft_step(seqs, tokens, live, j).argmax(-1))
         return Proposal(rows=rows, tokens=tokens, probs=None, counts=counts)
 
     # ----------------------------------------------------------------- target
     def score(self, batch: ScheduledBatch, proposal: Proposal | None) -> TargetOutput:
         """One target forward over every scheduled chunk plus the draft tokens to verify."""
         spec_of = {row: j for j, row in enumerate(proposal.rows)} if proposal else {}
+        drafts = device_io.to_host(proposal.tokens) if proposal else []  # the drafts' sampled ids
         starts, toks, logit_rows, sample_rows = [], [], [], []
         for i, seq in enumerate(batch.seqs):
             start, n = seq.num_computed_tokens, batch.num_new_tokens[i]
             chunk = seq.token_ids[start : start + n]
             if i in spec_of:
                 j = spec_of[i]
-                chunk = chunk + proposal.tokens[j, : int(proposal.counts[j])].tolist()
+                chunk = chunk + drafts[j][: proposal.counts[j]]
                 logit_rows.append(list(range(len(chunk))))
             elif start + n == seq.num_tokens:
                 logit_rows.append([n - 1])
@@ -284,7 +296,8 @@ class ModelRunner:
             offset += n
         if sample_idx == list(range(logits.shape[0])):
             return TargetOutput(sample_rows, logits, spec_blocks)  # common decode step: no copy
-        return TargetOutput(sample_rows, logits[sample_idx], spec_blocks)
+        picked = logits.index_select(0, device_io.tensor(sample_idx, torch.long, logits.device))
+        return TargetOutput(sample_rows, picked, spec_blocks)
 
     def verify(
         self,
@@ -294,13 +307,15 @@ class ModelRunner:
         generators: dict[str, torch.Generator],
     ) -> RejectionResult:
         """Rejection-sample every speculator's drafts against the target's distributions."""
-        if proposal.probs is None:
-            return greedy_verify(proposal.tokens, [argmax_ids(block) for block in spec_logits], proposal.counts)
         kmax = proposal.tokens.shape[1]
-        vocab = spec_logits[0].shape[-1]
-        target = torch.zeros(len(seqs), kmax + 1, vocab)
+        counts = self._counts(proposal.counts)
+        if proposal.probs is None:
+            best = torch.zeros(len(seqs), kmax + 1, dtype=torch.long, device=self.device)
+            for j, block in enumerate(spec_logits):
+                best[j, : block.shape[0]] = argmax_ids(block)
+            return greedy_verify(proposal.tokens, best, counts)
+        target = torch.zeros(len(seqs), kmax + 1, spec_logits[0].shape[-1], device=self.device)
         for j, (block, seq) in enumerate(zip(spec_logits, seqs)):
-            t, k, p = param_tensors([seq.params] * block.shape[0])
-            target[j, : block.shape[0]] = process_logits(block, t, k, p)
+            target[j, : block.shape[0]] = processed(block, [seq.params] * block.shape[0])
         gens = [generators.get(s.request_id) for s in seqs]
-        return rejection_sample(proposal.tokens, proposal.probs, target, proposal.counts, gens, self.generator)
+        return rejection_sample(proposal.tokens, proposal.probs, target, counts, gens, self.generator)

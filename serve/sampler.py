@@ -7,6 +7,11 @@ cumulative distribution at one uniform number (`sample`): exact, and one random 
 instead of one per vocabulary entry, which on a 262k-token vocabulary was most of a sampled
 step's sampling cost. Each seeded request
 draws from its own generator, so a seed reproduces regardless of batch composition.
+
+Everything runs on the logits' device. The random draws come from CPU generators (one number
+per row, staged to the device), so a seed gives the same draws on every device; which filters
+run is decided from the request parameters on the host (`LogitsPlan`), never by reading a
+device tensor back; the sampled ids are the one read-back (`serve.device_io`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve import cpu_kernels
+from serve import cpu_kernels, device_io
 
 MIN_TEMPERATURE = 1e-5  # below this, temperature is treated as 0 (greedy), as vLLM does: 1/T overflows
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit value
@@ -103,6 +108,34 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+@dataclass(frozen=True)
+class LogitsPlan:
+    """Which passes `process_logits` makes, known on the host from the request parameters."""
+
+    scale: bool  # some row's temperature is neither 0 nor 1
+    filter: bool  # some row has top-k below the vocabulary or top-p below 1
+    greedy: bool  # some row is greedy
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int) -> LogitsPlan:
+        """The plan for rows sampled with `params` over a `vocab`-entry vocabulary."""
+        return cls(
+            scale=any(p.temperature not in (0, 1) for p in params),
+            filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
+            greedy=any(p.greedy for p in params),
+        )
+
+    @classmethod
+    def read(cls, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, vocab: int) -> LogitsPlan:
+        """The plan read from parameter tensors (reads them back: for callers without params)."""
+        greedy = temperature == 0
+        return cls(
+            scale=bool(((temperature != 1) & ~greedy).any()),
+            filter=bool(((top_k > 0) & (top_k < vocab)).any() or (top_p < 1).any()),
+            greedy=bool(greedy.any()),
+        )
+
+
 @dataclass
 class SampleResult:
     """Sampled tokens and, where asked, their logprobs (raw model distribution)."""
@@ -120,40 +153,47 @@ def apply_penalties(
             continue
         x = logits[row]
         if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted(set(prompts[row]) | set(outputs[row])), dtype=torch.long)
+            seen = device_io.tensor(sorted(set(prompts[row]) | set(outputs[row])), torch.long, x.device)
             vals = x[seen]
             x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if outputs[row] and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(torch.tensor(outputs[row]), minlength=x.shape[0])[: x.shape[0]].to(x.dtype)
+            history = device_io.tensor(outputs[row], torch.long, x.device)  # scatter: bincount has no fixed shape
+            counts = torch.zeros_like(x).scatter_add_(0, history, torch.ones(len(outputs[row]), device=x.device))
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
     return logits
 
 
 def process_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    plan: LogitsPlan | None = None,
 ) -> torch.Tensor:
     """Temperature, then top-k, then top-p, batched; returns probabilities [B, V].
 
     Rows with temperature 0 become one-hot on the argmax, so greedy and sampled requests share
-    one code path (the rejection sampler then reduces to exact greedy matching).
+    one code path (the rejection sampler then reduces to exact greedy matching). Parameter
+    tensors live on the logits' device; `plan` (None: read from them) skips passes no row needs.
     """
     logits = logits.float()
+    vocab = logits.shape[-1]
+    plan = plan or LogitsPlan.read(temperature, top_k, top_p, vocab)
     greedy = temperature == 0
     divisor = torch.where(greedy, torch.ones_like(temperature), temperature)
     # temperature 1 (the API's default) divides by one: skip a pass over [B, V]
-    scaled = logits if bool((divisor == 1).all()) else logits / divisor[:, None]
-    vocab = logits.shape[-1]
+    scaled = logits / divisor[:, None] if plan.scale else logits
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    if bool((k < vocab).any()) or bool((top_p < 1).any()):
+    if plan.filter:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= k[:, None]
         probs = sorted_logits.softmax(-1)
         drop |= (probs.cumsum(-1) - probs) > top_p[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
     probs = scaled.softmax(-1)
-    if bool(greedy.any()):
+    if plan.greedy:
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
@@ -164,13 +204,16 @@ def uniform_noise(
     generators: list[torch.Generator | None],
     default: torch.Generator,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """U[0, 1) noise [B, ...]; rows with their own generator (seeded requests) draw from it."""
-    noise = torch.rand(shape, generator=default, dtype=dtype)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row] = torch.rand(shape[1:], generator=gen, dtype=dtype)
-    return noise
+    """U[0, 1) noise [B, ...] on `device`; rows with their own generator (seeded requests) draw
+    from it. Drawn on the host from CPU generators, so a seed means the same numbers anywhere."""
+    with device_io.staging():
+        noise = torch.rand(shape, generator=default, dtype=dtype)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                noise[row] = torch.rand(shape[1:], generator=gen, dtype=dtype)
+        return device_io.to_device(noise, device)
 
 
 SAMPLE_BLOCK = 4096  # tokens per block of the two-level inverse CDF
@@ -186,7 +229,7 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None], defaul
     drawn, so a zero-probability token (whose cumulative sum equals its predecessor's) never is.
     """
     rows, vocab = probs.shape
-    u = uniform_noise((rows,), generators, default, dtype=torch.float64)
+    u = uniform_noise((rows,), generators, default, dtype=torch.float64, device=probs.device)
     pad = (-vocab) % SAMPLE_BLOCK
     padded = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).float().view(rows, -1, SAMPLE_BLOCK)
     block_cdf = padded.sum(-1).double().cumsum(-1)
@@ -195,23 +238,33 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None], defaul
     past = block >= block_cdf.shape[1]
     block = block.clamp(max=block_cdf.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    inner = padded[torch.arange(rows), block].cumsum(-1, dtype=torch.float64)
+    inner = padded[torch.arange(rows, device=probs.device), block].cumsum(-1, dtype=torch.float64)
     within = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0]
     past |= within >= SAMPLE_BLOCK  # a block's float32 sum and its float64 cumulative sum disagree
     tokens = block * SAMPLE_BLOCK + within.clamp(max=SAMPLE_BLOCK - 1)
-    if bool(past.any()):  # the target rounded up to a total: the row's last token with mass
+    # the target rounded up to a total: the row's last token with mass. Off the CPU always
+    # computed (one more pass), as asking whether any row needs it would read a value back
+    if probs.device.type != "cpu" or bool(past.any()):
         last = vocab - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1)
         tokens = torch.where(past, last, tokens)
     return tokens
 
 
-def param_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row temperature, top_k and top_p tensors."""
+def param_tensors(
+    params: list[SamplingParams], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row temperature, top_k and top_p tensors on `device`."""
     return (
-        torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params], dtype=torch.long),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        device_io.tensor([p.temperature for p in params], torch.float32, device),
+        device_io.tensor([p.top_k for p in params], torch.long, device),
+        device_io.tensor([p.top_p for p in params], torch.float32, device),
     )
+
+
+def processed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`process_logits` for rows sampled with `params`, on the logits' device, nothing read back."""
+    plan = LogitsPlan.of(params, logits.shape[-1])
+    return process_logits(logits, *param_tensors(params, logits.device), plan=plan)
 
 
 def top_logprobs(
@@ -222,13 +275,17 @@ def top_logprobs(
     result: list[dict[int, float] | None] = [None] * len(params)
     if not wanted:
         return result
-    logp = logits[wanted].float().log_softmax(-1)
-    for j, row in enumerate(wanted):
+    device = logits.device
+    logp = logits.index_select(0, device_io.tensor(wanted, torch.long, device)).float().log_softmax(-1)
+    n_top = min(max(params[row].logprobs or 0 for row in wanted), logp.shape[-1])
+    chosen = logp.gather(1, device_io.tensor([[tokens[row]] for row in wanted], torch.long, device))
+    vals, ids = logp.topk(n_top, dim=-1)
+    # one read-back for every row: ids are exact in float64
+    packed = device_io.to_host(torch.cat([chosen.double(), vals.double(), ids.double()], dim=1))
+    for row, line in zip(wanted, packed):
         n = params[row].logprobs or 0
-        entry = {tokens[row]: float(logp[j, tokens[row]])}
-        if n:
-            vals, ids = logp[j].topk(min(n, logp.shape[-1]))
-            entry.update({int(i): float(v) for i, v in zip(ids, vals)})
+        entry = {tokens[row]: line[0]}
+        entry.update({int(i): v for i, v in zip(line[1 + n_top : 1 + n_top + n], line[1 : 1 + n])})
         result[row] = entry
     return result
 
@@ -252,8 +309,7 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.to(torch.float32, copy=True), params, prompts, outputs)
         if all(p.greedy for p in params):
-            tokens = argmax_ids(logits).tolist()
+            tokens = device_io.to_host(argmax_ids(logits))
         else:
-            probs = process_logits(logits, *param_tensors(params))
-            tokens = sample(probs, generators, self.generator).tolist()
+            tokens = device_io.to_host(sample(processed(logits, params), generators, self.generator))
         return SampleResult(tokens=tokens, logprobs=top_logprobs(raw, tokens, params))

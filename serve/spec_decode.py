@@ -50,47 +50,47 @@ def rejection_sample(
     `num_draft[i]` <= k is how many of row i's drafts are real; the rest are padding.
     """
     batch, k = draft_tokens.shape
-    rows = torch.arange(batch)
+    device = draft_tokens.device
     p_d = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     q_d = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    u = uniform_noise((batch, k), generators, default)
-    real = torch.arange(k)[None, :] < num_draft[:, None]
+    u = uniform_noise((batch, k), generators, default, device=device)
+    real = torch.arange(k, device=device)[None, :] < num_draft[:, None]
     accept = (u * q_d < p_d) & real
     num_accepted = accept.long().cumprod(-1).sum(-1)
-    q_padded = torch.cat([draft_probs * real[..., None], torch.zeros(batch, 1, draft_probs.shape[-1])], dim=1)
+    zeros = torch.zeros(batch, 1, draft_probs.shape[-1], device=device)
+    q_padded = torch.cat([draft_probs * real[..., None], zeros], dim=1)
+    rows = torch.arange(batch, device=device)
     p_sel = target_probs[rows, num_accepted]
     residual = (p_sel - q_padded[rows, num_accepted]).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_sel)
-    final = sample(residual, generators, default)
-    out = torch.full((batch, k + 1), -1, dtype=torch.long)
-    keep = torch.arange(k + 1)[None, :] < num_accepted[:, None]
+    return _emit(draft_tokens, num_accepted, sample(residual, generators, default))
+
+
+def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> RejectionResult:
+    """Each row's accepted drafts then `final` ([B]) at position num_accepted; -1 past it."""
+    batch, k = draft_tokens.shape
+    device = draft_tokens.device
+    out = torch.full((batch, k + 1), -1, dtype=torch.long, device=device)
+    keep = torch.arange(k + 1, device=device)[None, :] < num_accepted[:, None]
     out[:, :k] = torch.where(keep[:, :k], draft_tokens, out[:, :k])
-    out[rows, num_accepted] = final
+    out[torch.arange(batch, device=device), num_accepted] = final
     return RejectionResult(tokens=out, num_accepted=num_accepted)
 
 
-def greedy_verify(
-    draft_tokens: torch.Tensor, target_argmax: list[torch.Tensor], num_draft: torch.Tensor
-) -> RejectionResult:
+def greedy_verify(draft_tokens: torch.Tensor, target_argmax: torch.Tensor, num_draft: torch.Tensor) -> RejectionResult:
     """`rejection_sample` for rows where both p and q are one-hot (temperature 0), without them.
 
     Accept drafts while they equal the target's argmax; then emit the target's argmax at the
-    first mismatch (the residual max(0, p - q) is p's one-hot) or as the bonus token. Row i's
-    `target_argmax[i]` holds num_draft[i] + 1 positions.
+    first mismatch (the residual max(0, p - q) is p's one-hot) or as the bonus token.
+    `target_argmax` is [B, k + 1]; row i's entries past num_draft[i] + 1 are never read.
+    Batched tensor ops on the drafts' device, nothing read back.
     """
     batch, k = draft_tokens.shape
-    out = torch.full((batch, k + 1), -1, dtype=torch.long)
-    accepted = torch.zeros(batch, dtype=torch.long)
-    for row in range(batch):
-        n = int(num_draft[row])
-        best = target_argmax[row][: n + 1]
-        match = (draft_tokens[row, :n] == best[:n]).long().cumprod(0)
-        a = int(match.sum())
-        out[row, :a] = draft_tokens[row, :a]
-        out[row, a] = best[a]
-        accepted[row] = a
-    return RejectionResult(tokens=out, num_accepted=accepted)
+    real = torch.arange(k, device=draft_tokens.device)[None, :] < num_draft[:, None]
+    accepted = ((draft_tokens == target_argmax[:, :k]) & real).long().cumprod(-1).sum(-1)
+    final = target_argmax.gather(1, accepted[:, None])[:, 0]
+    return _emit(draft_tokens, accepted, final)
 
 
 def _bucket(batch_size: int) -> int:

@@ -33,3 +33,18 @@ def test_gpu_check_quick_mode_runs_and_names_its_skips(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         assert parts["speed"]["status"] == "skip" and parts["speed"]["skipped"][0]["why"] == "no CUDA device"
         assert "no CUDA device" in markdown and "TinyLlama" in markdown
+
+
+def test_decode_rate_subtracts_the_prefill_run() -> None:
+    """n tokens over (time of n + 1 tokens) minus (time of 1): a 2 ms step and a 50 ms prefill
+    give 500 tokens/s whatever the prefill costs."""
+    from benchmarks.gpu_check.speed import decode_rate
+
+    calls: list[int] = []
+
+    def run(k: int) -> float:
+        calls.append(k)
+        return 0.05 + 0.002 * (k - 1)
+
+    assert decode_rate(run, n=256) == 500.0
+    assert calls[0] == 8 and set(calls[1:]) == {1, 257}

@@ -82,6 +82,8 @@ def run_engine(
     outs = llm.generate(ps[:1], params) + llm.generate(ps[1:], params)
     llm.block_manager.check_no_leaks()
     stats = llm.stats
+    models = (llm.runner.target, llm.runner.draft)
+    graphs = [m.decode_graph for m in models if m is not None and m.decode_graph is not None]
     return {
         "prompts": ps,
         "tokens": [o.token_ids for o in outs],
@@ -89,6 +91,7 @@ def run_engine(
         "preemptions": llm.scheduler.num_preemptions,
         "drafted": stats.spec_proposed,
         "accepted": stats.spec_accepted,
+        "graph_replays": sum(g.replays for g in graphs),  # decode forwards replayed from CUDA graphs
     }
 
 

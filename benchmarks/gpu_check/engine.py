@@ -1,7 +1,9 @@
 """Part `engine`: the serving engine against transformers `generate`, greedy, per family and dtype.
 
 Each run switches on prefix caching, chunked prefill, preemption and speculative decoding with
-a same-family layer-skip draft (`warsha.engine_check`), and checks each path was taken. GPTQ
+a same-family layer-skip draft (`warsha.engine_check`), and checks each path was taken; on CUDA
+the decode forwards replay CUDA graphs (`serve.decode_graphs`), and one run per family without
+the draft puts the target's decode batches through them. GPTQ
 int4 checkpoints go through `Int4TritonLinear` and are compared with transformers on exactly
 their dequantized weights. On CUDA: the Mistral, Gemma 3 and Qwen 3 tiny shapes and the
 TinyLlama-1.1B shape, float32 and bf16, int4 for the tiny shapes. On CPU: the Triton backend
@@ -52,9 +54,19 @@ def build(family: str, root: Path, device: str) -> tuple[Path, Path]:
 
 
 def check_engine(
-    result: PartResult, name: str, target: Path, draft: Path, ref_dir: Path, dtype: str, device: str, workload: Any
+    result: PartResult,
+    name: str,
+    target: Path,
+    draft: Path | None,
+    ref_dir: Path,
+    dtype: str,
+    device: str,
+    workload: Any,
 ) -> None:
-    """One engine run against transformers on `ref_dir` (the same model, or its dequantized twin)."""
+    """One engine run against transformers on `ref_dir` (the same model, or its dequantized twin).
+
+    On CUDA, CUDA graphs replay the decode forwards (the draft's; without a draft, the target's):
+    a run that replayed none fails."""
     import torch
 
     from warsha.engine_check import compare, hf_greedy, run_engine
@@ -64,9 +76,10 @@ def check_engine(
     ref = hf_model(ref_dir, getattr(torch, dtype), device)
     want = hf_greedy(ref, run["prompts"], workload.max_tokens)
     verdict = compare(run["tokens"], want, run["prompts"], ref, TIE_TOLERANCE[dtype])
-    paths = {k: run[k] for k in ("prefix_hit_tokens", "preemptions", "drafted", "accepted")}
-    taken = run["prefix_hit_tokens"] > 0 and run["preemptions"] > 0 and run["drafted"] > 0
-    result.add(name, not verdict["mismatches"] and taken, **verdict, **paths)
+    paths = {k: run[k] for k in ("prefix_hit_tokens", "preemptions", "drafted", "accepted", "graph_replays")}
+    taken = run["prefix_hit_tokens"] > 0 and run["preemptions"] > 0 and (draft is None or run["drafted"] > 0)
+    graphed = device != "cuda" or run["graph_replays"] > 0  # on CUDA decode steps replay graphs by default
+    result.add(name, not verdict["mismatches"] and taken and graphed, **verdict, **paths)
     del ref
     gc.collect()
     if device == "cuda":
@@ -95,6 +108,9 @@ def run(result: PartResult, args: argparse.Namespace) -> None:
         for dtype in dtypes:
             check_engine(result, f"{family} {dtype} vs HF generate", target, draft, target, dtype, result.device,
                          workload)  # fmt: skip
+        if cuda:  # no draft: the target's own decode batches replay from CUDA graphs
+            check_engine(result, f"{family} float32 without a draft (target decode graphs) vs HF generate", target,
+                         None, target, "float32", result.device, workload)  # fmt: skip
         if family == "tinyllama" or (args.quick and not cuda):
             continue
         qdir, ddir = gptq_pair(target, args.workdir / family / "gptq")

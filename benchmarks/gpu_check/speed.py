@@ -4,7 +4,8 @@
   per second); a decode step must read every weight once except the embedding table (one row),
   so batch-1 decode cannot beat bandwidth / those bytes. KV reads are left out (short context).
 - batch-1 decode: 256 generated tokens after a 32-token prompt, minus the prefill-only run, for
-  the engine and for transformers `generate` (SDPA, bf16), each the best of two.
+  the engine with CUDA graphs (the default), the engine eager (`cuda_graphs=False`, the server's
+  `--enforce-eager`) and transformers `generate` (SDPA, bf16), each the best of two.
 - 64 mixed requests (prompts 16-512 tokens, outputs 16-256, seeded): the engine with continuous
   batching; transformers `generate` on the 64 left-padded prompts at once (static batching: it
   runs to the longest output, only the requested tokens count); transformers' continuous
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,25 +70,28 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def batch1_decode(llm: Any, hf: Any, prompt: list[int], n: int = 256) -> dict[str, float]:
-    """Decode tokens/s of the engine and of transformers: (n + 1 tokens) minus (1 token) runs."""
-    import torch
+def decode_rate(run: Callable[[int], float], n: int = 256) -> float:
+    """Decode tokens/s from a runner of k-token generations: (n + 1 tokens) minus (1 token)."""
+    run(8)  # warm-up: kernels compiled, allocator primed
+    return round(n / min(run(n + 1) - run(1) for _ in range(2)), 1)
 
+
+def engine_runner(llm: Any, prompt: list[int]) -> Callable[[int], float]:
+    """Seconds of the engine generating k greedy tokens after `prompt`."""
     from serve import SamplingParams
 
-    def ours(k: int) -> float:
+    def run(k: int) -> float:
         return timed(lambda: llm.generate([prompt], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)))
 
+    return run
+
+
+def hf_runner(hf: Any, prompt: list[int]) -> Callable[[int], float]:
+    """Seconds of transformers `generate` making exactly k greedy tokens after `prompt`."""
+    import torch
+
     ids = torch.tensor([prompt], device="cuda")
-
-    def theirs(k: int) -> float:
-        return timed(lambda: hf.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False))
-
-    out = {}
-    for name, fn in (("engine", ours), ("transformers", theirs)):
-        fn(8)  # warm-up: kernels compiled, allocator primed
-        out[f"{name}_tok_s"] = round(n / min(fn(n + 1) - fn(1) for _ in range(2)), 1)
-    return out
+    return lambda k: timed(lambda: hf.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False))
 
 
 def mixed_workload(seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -157,7 +162,12 @@ def run(result: PartResult, args: argparse.Namespace) -> None:
               kv_cache_memory_gb=8.0)  # fmt: skip
     hf = hf_model(target, torch.bfloat16, "cuda")
     hf.generation_config.eos_token_id = None  # random weights: run every row to its length
-    decode = batch1_decode(llm, hf, [1] + list(range(100, 131)))
+    prompt = [1] + list(range(100, 131))
+    eager = LLM(target, device="cuda", dtype="bfloat16", max_num_seqs=1, kv_cache_memory_gb=1.0, cuda_graphs=False)
+    decode = {"engine_tok_s": decode_rate(engine_runner(llm, prompt)),
+              "engine_eager_tok_s": decode_rate(engine_runner(eager, prompt)),
+              "transformers_tok_s": decode_rate(hf_runner(hf, prompt))}  # fmt: skip
+    del eager
     decode["engine_fraction_of_roofline"] = round(decode["engine_tok_s"] / roofline["roofline_tok_s"], 3)
     result.add("batch-1 decode beside the HBM roofline", decode["engine_tok_s"] > 0, **roofline, **decode)
     prompts, outs = mixed_workload()

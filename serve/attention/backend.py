@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from serve import args
 from serve.args import ATTENTION_BACKENDS as BACKENDS
 from serve.attention.interface import AttentionBackend
 
@@ -29,15 +30,15 @@ def get_backend(device: torch.device | str, prefer: str | None = None, **options
     from serve.attention.torch_ref import TorchPagedAttention
 
     kind = torch.device(device).type
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device {kind!r} is not supported by serve; supported: cpu, cuda")
+    if kind not in args.DEVICES:
+        raise ValueError(f"device {kind!r} is not supported by serve; supported: {', '.join(args.DEVICES)}")
     if prefer not in (None, *BACKENDS):
         raise ValueError(f"prefer={prefer!r} is not a backend; use one of {BACKENDS} or None (by device)")
     choice = prefer or ("triton" if kind == "cuda" else "torch")
     if choice == "torch":
         if options:
             raise ValueError(f"options {sorted(options)} only apply to the triton backend, not torch")
-        return TorchPagedAttention()
+        return TorchPagedAttention(device=device)
     if kind == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":  # before triton is imported
         raise ValueError("prefer='triton' on cpu needs TRITON_INTERPRET=1 set before triton is imported (tests only)")
     try:
@@ -50,5 +51,5 @@ def get_backend(device: torch.device | str, prefer: str | None = None, **options
         warnings.warn(
             f"triton cannot be imported ({err}); serving attention on {kind} with the torch backend", stacklevel=2
         )
-        return TorchPagedAttention()
+        return TorchPagedAttention(device=device)
     return TritonPagedAttention(device, **options)

@@ -21,7 +21,7 @@ the batched matmuls, whose GEMMs win there.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from serve import cpu_kernels
 from serve.attention.interface import SeqChunk
 from serve.cpu import upcast_bf16_default
+from serve.device_io import to_device
 from serve.kv_cache import block_table_tensor, slots_for
 
 
@@ -117,17 +118,21 @@ def _mask(ctx: torch.Tensor, q_len: int, length: int, key_start: int, window: in
 
 
 class TorchPagedAttention:
-    """The reference backend (CPU, and CUDA until Triton kernels exist)."""
+    """The reference backend: the CPU's, and CUDA's where triton is missing."""
 
     name = "torch"
 
-    def __init__(self, upcast_bf16: bool | None = None, cpu_kernel: bool | None = None) -> None:
+    def __init__(
+        self, upcast_bf16: bool | None = None, cpu_kernel: bool | None = None, device: torch.device | str = "cpu"
+    ) -> None:
         """`upcast_bf16`: compute bf16 attention in float32; None decides by the hardware.
 
-        `cpu_kernel`: attend short chunks with serve's AVX2 kernel; None uses it where it builds.
+        `cpu_kernel`: attend short chunks with serve's AVX2 kernel; None uses it where it builds
+        (never off the CPU). `device`: where the metadata's tensors go (`serve.device_io`).
         """
         self.upcast_bf16 = upcast_bf16
         self.cpu_kernel = cpu_kernel
+        self.device = torch.device(device)
 
     def build_metadata(self, chunks: list[SeqChunk], block_size: int) -> TorchAttentionMetadata:
         """Slot mapping for the new tokens and one gather plan per query-length group."""
@@ -143,12 +148,19 @@ class TorchPagedAttention:
         plan = self._plan(chunks, short, tables, block_size) if short else None
         taken = set(short)
         groups = self._groups(chunks, [i for i in range(len(chunks)) if i not in taken], tables, block_size)
+        if self.device.type != "cpu":
+            slot_mapping, groups = to_device(slot_mapping, self.device), [self._staged(g) for g in groups]
         return TorchAttentionMetadata(slot_mapping, groups, num_tokens, plan, chunks, tables)
+
+    def _staged(self, g: AttentionGroup) -> AttentionGroup:
+        """`g` with its index and mask tensors on this backend's device."""
+        moved = {name: getattr(g, name) for name in ("rows", "block_ids", "mask")}
+        return replace(g, **{k: None if v is None else to_device(v, self.device) for k, v in moved.items()})
 
     def _kernel_chunks(self, chunks: list[SeqChunk]) -> list[int]:
         """Indices of the chunks the CPU kernel attends: the short ones, where the kernel built."""
         short = [i for i, c in enumerate(chunks) if c.query_len <= KERNEL_MAX_QUERY]
-        if not short or self.cpu_kernel is False or not cpu_kernels.available():
+        if not short or self.cpu_kernel is False or self.device.type != "cpu" or not cpu_kernels.available():
             return []
         return short
 

@@ -31,6 +31,7 @@ from serve.attention import triton_cache, triton_decode, triton_prefill
 from serve.attention import triton_common as common
 from serve.attention.interface import SeqChunk
 from serve.attention.torch_ref import _check_layout
+from serve.device_io import to_device
 from serve.kv_cache import block_table_tensor, slots_for
 
 
@@ -66,18 +67,6 @@ class TritonAttentionMetadata:
     decode: DecodePlan | None
     prefill: PrefillPlan | None
     window: int = 0  # sliding window of every chunk (0: full attention)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-built metadata tensor on `device`: on CUDA through pinned memory, without blocking.
-
-    A copy from pageable memory makes the host wait while the driver stages it; from pinned
-    memory it is one asynchronous DMA queued on the stream, ordered before the kernels that read
-    it, and torch's pinned allocator keeps the host buffer until the copy has finished. Never run
-    on a GPU yet (docs/gpu.md)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _int32(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:

@@ -213,3 +213,27 @@ def test_controller_probes_long_enough_to_time_speculation_again() -> None:
     # speculation (5 tokens for 1.2x the cost) now wins; the only plain steps left are probes
     assert ctl.predicted_speedup(1) > 1
     assert seen[first:].count(True) > seen[first:].count(False)
+
+
+def test_top_k_top_p_from_candidates_matches_a_full_ranking() -> None:
+    """Ranking only the best `width` tokens (and widening for rows whose nucleus reaches past
+    them) keeps exactly the tokens a float64 loop over each fully sorted row keeps."""
+    from serve.sampler import top_k_top_p
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    logits = torch.randn(12, vocab, generator=gen) * torch.linspace(0.3, 6.0, 12)[:, None]  # flat to peaky
+    k = torch.tensor([vocab, 5, vocab, 40, vocab, 3000, 7, vocab, 100, vocab, 1, 2000])  # vocab: no top-k
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.99, 0.999, 0.3, 1.0, 0.95, 0.8, 0.6, 0.9, 0.97])
+    for width in (4, 64, vocab):
+        kept = top_k_top_p(logits, k, top_p, width) > float("-inf")
+        for row in range(logits.shape[0]):
+            probs = logits[row].double().softmax(-1)
+            order = probs.argsort(descending=True).tolist()
+            want, mass = set(), 0.0
+            for rank, tok in enumerate(order):
+                if rank >= int(k[row]) or mass > float(top_p[row]):
+                    break
+                want.add(tok)
+                mass += float(probs[tok])
+            assert set(kept[row].nonzero()[:, 0].tolist()) == want, (width, row)

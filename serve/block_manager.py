@@ -252,10 +252,9 @@ class BlockManager:
         revived = sum(1 for b in live_hits if self.blocks[b].ref_count == 0)
         if need + sum(map(len, cows)) > self.num_free_blocks - revived:
             return False
+        for b in (b for hits in group_hits for b in hits if b != NULL_BLOCK):
+            self._take(b)  # every group's hits first: a later group's hit may sit in the free list
         for table, hits, cow in zip(tables, group_hits, cows):
-            for b in hits:
-                if b != NULL_BLOCK:
-                    self._take(b)
             table.extend(hits)
             for index in cow:
                 self._copy_on_write(seq, table, index)

@@ -75,7 +75,7 @@ def sp_rows(corpus: Any, added: int, tmp: Path) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     target = sp_bpe.train_bpe(train, added, base_proto)
     train_s = time.perf_counter() - t0
-    merged = sp_bpe.merge_pieces(base_proto, target, added, family.script_pattern("auto", "ar"))
+    merged = sp_bpe.merge_pieces(base_proto, target, added, family.piece_test("auto", "ar", False))
     kept, _ = sp_bpe.prune_unreached(merged.proto, base_proto, merged.added, merged.scores, train)
     naive = naive_append(base_proto, target)
     dirs = {}
@@ -140,7 +140,7 @@ def byte_rows(corpus: Any, added: int) -> list[dict[str, Any]]:
 
     spec = byte_bpe.tiktoken_to_hf(Path(str(MISTRAL / "tekken_240718.json")))
     merges = byte_bpe.train_merges(spec, corpus.texts("ar", "train"), added)
-    result = byte_bpe.extend(spec, merges, added, family.script_pattern("auto", "ar"))
+    result = byte_bpe.extend(spec, merges, added, family.piece_test("auto", "ar", False))
     base = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
     ext = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(result.spec)))
     from tokenizer_ext.checks import byte_unreached

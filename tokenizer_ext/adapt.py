@@ -75,14 +75,16 @@ def replay_rows(p: "AdaptParams") -> int:
     return round(p.train.batch_size * p.replay_fraction) if p.replay_fraction else 0
 
 
-def replay_loss(p: "AdaptParams", corpus_loss: Any = None) -> Any:
+def replay_loss(p: "AdaptParams", corpus_loss: Any = None, text_loss: Any = None) -> Any:
     """The training loss: ``corpus_loss`` on the corpus windows (the next-token loss unless a
     distillation loss is given), plus ``replay_weight`` times the cross-entropy against the base's
-    distributions on the replay sequences, each weighted by its share of the batch (so without
-    replay this is ``corpus_loss`` alone)."""
+    distributions on the replay sequences (``text_loss`` when they are read as text, the stored
+    distributions otherwise), each weighted by its share of the batch (so without replay this is
+    ``corpus_loss`` alone)."""
     from warsha.lm_loss import causal_lm_loss, soft_lm_loss
 
     corpus_loss = corpus_loss or causal_lm_loss
+    replay_part = text_loss or soft_lm_loss
     n_rep = replay_rows(p)
     share = n_rep / p.train.batch_size
 
@@ -90,7 +92,7 @@ def replay_loss(p: "AdaptParams", corpus_loss: Any = None) -> Any:
         loss = corpus_loss(model, {k: v for k, v in batch.items() if not k.startswith(REPLAY)})
         if not n_rep:
             return loss
-        soft = soft_lm_loss(model, {k[len(REPLAY) :]: v for k, v in batch.items() if k.startswith(REPLAY)})
+        soft = replay_part(model, {k[len(REPLAY) :]: v for k, v in batch.items() if k.startswith(REPLAY)})
         return (1 - share) * loss + share * p.replay_weight * soft
 
     return loss_fn
@@ -171,13 +173,17 @@ def adapt_one(
     t = p.train
     n_rep = replay_rows(p)
     windows = _distill_windows(ctx, p, tok, texts) if p.distill_weight else None
+    as_text = _replay_windows(ctx, p, tok, rep) if rep is not None and p.replay_as_text else None
 
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
+        key = f"{ctx.seed}/{step}/{micro}/{rank}"
         if windows is not None:
-            batch = windows(t.batch_size - n_rep, f"{ctx.seed}/{step}/{micro}/{rank}")
+            batch = windows(t.batch_size - n_rep, key)
         else:
             batch = {"input_ids": random_windows(stream, t.batch_size - n_rep, t.seq_len, ctx.seed, step, micro, rank)}
-        if rep is not None:
+        if as_text is not None:
+            batch.update({REPLAY + k: v for k, v in as_text(n_rep, f"{key}/replay").items()})
+        elif rep is not None:
             first = ((step * t.grad_accum + micro) * ctx.world_size + rank) * n_rep
             rows = [(first + j) % len(rep.ids) for j in range(n_rep)]
             batch.update({REPLAY + k: v for k, v in rep.batch(rows).items()})
@@ -188,7 +194,7 @@ def adapt_one(
         nll = quality.document_nll(model, tok, sets, p.eval_max_length, set_eval=False)
         return {**curve, **quality.domain_bpc(nll, sets)}
 
-    loss = replay_loss(p, _distill_loss(ctx, p, tok_dir, new_ids) if p.distill_weight else None)
+    loss = _loss(ctx, p, new_ids, rep is not None)
     model, result, extra = _train(TrainJob(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, loss))
     step = max(1, len(result.losses) // 50)
     metrics: dict[str, Any] = {
@@ -213,6 +219,14 @@ def adapt_one(
     return metrics
 
 
+def _replay_windows(ctx: "StageContext", p: "AdaptParams", tok: Any, rep: "Replay") -> Any:
+    """``_distill_windows`` over the replay sequences as text (``replay_as_text``)."""
+    from transformers import AutoTokenizer
+
+    base_tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
+    return _distill_windows(ctx, p, tok, rep.texts(base_tok))
+
+
 def _distill_windows(ctx: "StageContext", p: "AdaptParams", tok: Any, texts: list[str]) -> Any:
     """``(n, key) -> batch`` of corpus windows under ``tok`` and the base tokenizer, aligned for
     the cross-tokenizer distillation term (``cross_tok``)."""
@@ -229,10 +243,20 @@ def _distill_windows(ctx: "StageContext", p: "AdaptParams", tok: Any, texts: lis
     return make
 
 
-def _distill_loss(ctx: "StageContext", p: "AdaptParams", tok_dir: Path, new_ids: list[int]) -> Any:
-    """Next-token loss plus ``distill_weight`` times the cross-tokenizer term against the frozen
-    unextended base. The same-budget base run (no new ids) gets the same term, its tokens then
-    aligning one to one: both runs are held to the base alike."""
+def _loss(ctx: "StageContext", p: "AdaptParams", new_ids: list[int], replay: bool) -> Any:
+    """``replay_loss`` with the cross-tokenizer terms the options ask for, sharing one teacher."""
+    text_replay = replay and p.replay_as_text
+    if not (p.distill_weight or text_replay):
+        return replay_loss(p)
+    term = _cross_tok_term(ctx, new_ids)
+    corpus = term(p.distill_top_k, p.distill_weight, 1.0) if p.distill_weight else None
+    return replay_loss(p, corpus, term(p.replay_top_k, 1.0, 0.0) if text_replay else None)
+
+
+def _cross_tok_term(ctx: "StageContext", new_ids: list[int]) -> Any:
+    """``(k, distill_weight, nll_weight) -> loss``: the cross-tokenizer term against the frozen
+    unextended base (``cross_tok.loss_fn``). The same-budget base run (no new ids) gets the same
+    term, its tokens then aligning one to one: both runs are held to the base alike."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -243,7 +267,11 @@ def _distill_loss(ctx: "StageContext", p: "AdaptParams", tok_dir: Path, new_ids:
     base_n = int(side["base_vocab_size"])
     sources = embed.base_splits(ctx.model_dir, base_n, base_n + len(new_ids)) if new_ids else []
     firsts = cross_tok.first_pieces(sources)
-    return cross_tok.loss_fn(teacher, firsts, base_n, p.distill_top_k, p.distill_weight)
+
+    def make(k: int, distill_weight: float, nll_weight: float) -> Any:
+        return cross_tok.loss_fn(teacher, firsts, base_n, k, distill_weight, nll_weight)
+
+    return make
 
 
 @dataclass

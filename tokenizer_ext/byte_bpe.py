@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
-import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -191,7 +190,7 @@ class ByteMerge:
 
 
 def extend(
-    spec: dict[str, Any], new_merges: list[tuple[str, str]], max_added: int, script: re.Pattern[str] | None
+    spec: dict[str, Any], new_merges: list[tuple[str, str]], max_added: int, script: Callable[[str], bool] | None
 ) -> ByteMerge:
     """Append tokens and merges for the new model's tokens, in its learning order."""
     merges = merge_list(spec)
@@ -207,7 +206,7 @@ def extend(
         if token in vocab:
             in_base += 1
             continue
-        if script is not None and not script.search(to_bytes(token).decode("utf-8", errors="ignore")):
+        if script is not None and not script(to_bytes(token).decode("utf-8", errors="ignore")):
             wrong_script += 1
             continue
         parts = bpe_split(token, ranks)

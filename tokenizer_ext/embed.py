@@ -116,6 +116,24 @@ def initialise(
     return {"tied": len(matrices) == 1}
 
 
+def untie(model: Any) -> bool:
+    """Give a tied model a separate output matrix, a copy of its embedding (False: not tied).
+
+    Why: tied, a new piece's one row must both read like its subwords (input) and score like
+    their chain (output), and the two want different vectors (docs/adaptation.md)."""
+    import torch
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not emb:
+        return False
+    head.weight = torch.nn.Parameter(emb.detach().clone())
+    for cfg in (model.config, getattr(model.config, "text_config", None)):
+        if cfg is not None:
+            cfg.tie_word_embeddings = False
+    return True
+
+
 def padded_size(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple (bitsandbytes 4-bit kernels want multiples of 32)."""
     return int(math.ceil(n / multiple) * multiple)
@@ -145,6 +163,8 @@ def run(ctx: "StageContext", p: "EmbedParams") -> dict[str, Any]:
     target = padded_size(len(ext_tok), p.pad_to_multiple_of)
     model.resize_token_embeddings(target, mean_resizing=False)
     model.config.vocab_size = target
+    if p.untie:
+        untie(model)
     info = initialise(model, base_n, sources, p.init, ctx.seed, p.init_scale)
     metrics: dict[str, Any] = {
         "init": p.init,

@@ -35,7 +35,7 @@ def run(ctx: "StageContext", p: "ExtendParams") -> dict[str, Any]:
         )
     base = family.load_base(ctx.model_dir)
     n_added = _requested(p, base)
-    script = family.script_pattern(p.script, lang)
+    script = family.piece_test(p.script, lang, p.letters_only)
     sample = sample_texts(train, p.max_train_chars, ctx.seed)
     t0 = time.perf_counter()
     if base.family == "sentencepiece":
@@ -88,7 +88,12 @@ def sample_texts(texts: list[str], max_chars: int, seed: int) -> list[str]:
 
 
 def _extend_sp(
-    ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str], n_added: int, script: Any
+    ctx: "StageContext",
+    p: "ExtendParams",
+    base: family.BaseTokenizer,
+    sample: list[str],
+    n_added: int,
+    script: family.PieceTest | None,
 ) -> dict[str, Any]:
     """Train, merge and prune; pruning looks at training text only, so the held-out split
     that the checks report on never influenced which pieces were kept."""
@@ -117,7 +122,12 @@ def _extend_sp(
 
 
 def _extend_byte(
-    ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str], n_added: int, script: Any
+    ctx: "StageContext",
+    p: "ExtendParams",
+    base: family.BaseTokenizer,
+    sample: list[str],
+    n_added: int,
+    script: family.PieceTest | None,
 ) -> dict[str, Any]:
     assert base.spec is not None
     merges = byte_bpe.train_merges(base.spec, sample, p.train_vocab_size or n_added)
@@ -137,7 +147,12 @@ def _extend_byte(
 
 
 def _extend_fallback(
-    ctx: "StageContext", p: "ExtendParams", base: family.BaseTokenizer, sample: list[str], n_added: int, script: Any
+    ctx: "StageContext",
+    p: "ExtendParams",
+    base: family.BaseTokenizer,
+    sample: list[str],
+    n_added: int,
+    script: family.PieceTest | None,
 ) -> dict[str, Any]:
     """Continued BPE on the base's own segmentation: every added token is reachable by
     construction, so there is nothing to prune (the held-out check still counts)."""

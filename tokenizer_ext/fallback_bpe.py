@@ -63,13 +63,13 @@ class FallbackExtension:
 
 
 def extend(
-    spec: dict[str, Any], texts: Iterable[str], n_added: int, script: re.Pattern[str] | None, min_count: int = 2
+    spec: dict[str, Any], texts: Iterable[str], n_added: int, script: Callable[[str], bool] | None, min_count: int = 2
 ) -> FallbackExtension:
     """Learn up to ``n_added`` merges on ``texts`` and append them (ids and ranks) to ``spec``."""
     names = token_names(spec)
 
     def keep(token: str) -> bool:
-        return not BYTE_TOKEN.search(token) and (script is None or bool(script.search(token)))
+        return not BYTE_TOKEN.search(token) and (script is None or script(token))
 
     words = continued_bpe.word_counts(texts, normaliser(spec), keep)
     learned = continued_bpe.learn(words, segmenter(spec), n_added, keep, names.__contains__, min_count)

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import shutil
+import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,12 @@ def _hf_json(path: Path) -> BaseTokenizer:
     return BaseTokenizer("byte_level", path, spec=spec)
 
 
+PieceTest = Callable[[str], bool]
+# What a piece may hold besides letters under ``letters_only``: the word-start markers of
+# SentencePiece (``▁``) and byte-level BPE (``Ġ``, or a decoded space).
+WORD_START = "\u2581\u0120 "
+
+
 def script_pattern(script: str, lang: str) -> re.Pattern[str] | None:
     """The target-script test for added pieces: ``auto`` (by language), ``none`` or a regex."""
     if script == "none":
@@ -86,6 +94,32 @@ def script_pattern(script: str, lang: str) -> re.Pattern[str] | None:
     if script == "auto":
         return re.compile(SCRIPTS[lang]) if lang in SCRIPTS else None
     return re.compile(script)
+
+
+def is_word(text: str) -> bool:
+    """Letters and combining marks only, after an optional word-start marker: no punctuation,
+    digits, bidi marks or symbols glued to the word."""
+    body = text.lstrip(WORD_START)
+    return bool(body) and all(unicodedata.category(c)[0] in "LM" for c in body)
+
+
+def piece_test(script: str, lang: str, letters_only: bool) -> PieceTest | None:
+    """Which learned pieces may be added (``None``: every one).
+
+    ``script`` as in ``script_pattern``: the piece must hold a target-script character.
+    ``letters_only``: it must also be a word or part of one (``is_word``). Corpus pieces such
+    as ``▁الله،`` (a name glued to its comma) or bidi-mark runs around punctuation apply almost
+    nowhere outside the corpus, yet take a row and probability everywhere; pre-tokenizers of
+    byte-level models (GPT-2, Llama 3) keep punctuation apart from letters for the same reason.
+    """
+    pattern = script_pattern(script, lang)
+    if pattern is None and not letters_only:
+        return None
+
+    def test(text: str) -> bool:
+        return (pattern is None or bool(pattern.search(text))) and (not letters_only or is_word(text))
+
+    return test
 
 
 def copy_model_files(src: Path, dst: Path) -> None:

@@ -11,11 +11,14 @@ weight are frozen, so the extended model only learns when and how to use its new
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenizer_ext.stages import EmbedParams
     from warsha.stage import StageContext
+
+log = logging.getLogger("warsha.embed")
 
 
 def trained_matrices(model: Any) -> list[Any]:
@@ -38,14 +41,19 @@ def fit(
     teacher = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
     base_tok = AutoTokenizer.from_pretrained(ctx.model_dir / "base_tokenizer")
     texts = mix.mixed_texts(ctx.corpus(), p.fit_source_fraction, ctx.seed)
+    t, pad = p.fit, ext_tok.pad_token_id if ext_tok.pad_token_id is not None else 0
+    n_written = round(t.batch_size * p.fit_replay_fraction)
+    written = _written(ctx, p, teacher, base_tok) if n_written else []
     matrices = trained_matrices(model)
     for q in model.parameters():
         q.requires_grad_(any(q is m for m in matrices))
-    t, pad = p.fit, ext_tok.pad_token_id if ext_tok.pad_token_id is not None else 0
 
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
         key = f"{ctx.seed}/{step}/{micro}/{rank}"
-        return cross_tok.collate(cross_tok.sample_windows(texts, t.batch_size, ext_tok, base_tok, t.seq_len, key), pad)
+        windows = cross_tok.sample_windows(texts, t.batch_size - n_written, ext_tok, base_tok, t.seq_len, key)
+        if n_written:
+            windows += cross_tok.sample_windows(written, n_written, ext_tok, base_tok, t.seq_len, f"{key}/written")
+        return cross_tok.collate(windows, pad)
 
     def freeze_base_rows(opt: Any) -> None:
         for weight in matrices:
@@ -69,4 +77,16 @@ def fit(
         "loss_curve": result.losses[::step],
         "distill_weight": p.fit_distill_weight,
         "nll_weight": p.fit_nll_weight,
+        "replay_windows_per_batch": n_written,
+        "replay_docs": len(written),
     }
+
+
+def _written(ctx: "StageContext", p: "EmbedParams", teacher: Any, base_tok: Any) -> list[str]:
+    """Target-language documents the base writes (``replay.written_texts``): the fit's windows
+    from outside the corpus, where the new rows must learn to stay out of the base's way."""
+    from tokenizer_ext import replay
+
+    lang = ctx.corpus().config.target_lang
+    log.info("fit: the base writes %d %r documents of %d tokens to fit on", p.fit_replay_docs, lang, p.fit.seq_len)
+    return replay.written_texts(teacher, base_tok, lang, p.fit_replay_docs, p.fit.seq_len, ctx.seed)

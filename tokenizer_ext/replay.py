@@ -55,6 +55,11 @@ class Replay:
         torch.save({"ids": self.ids, "top_ids": self.top_ids, "top_probs": self.top_probs, "langs": self.langs}, tmp)
         tmp.rename(path)
 
+    def texts(self, tok: Any) -> list[str]:
+        """The sequences as text (``tok``, the base tokenizer, decodes them), for a model that
+        reads them through its own tokenizer."""
+        return [text.strip() for text in tok.batch_decode(self.ids, skip_special_tokens=True)]
+
     @classmethod
     def load(cls, path: Path) -> Replay:
         """Inverse of ``save``."""
@@ -103,6 +108,12 @@ def generate(model: Any, tok: Any, langs: list[str], seq_len: int, k: int, seed:
         top_probs=torch.cat([p[2] for p in parts]),
         langs=list(langs),
     )
+
+
+def written_texts(model: Any, tok: Any, lang: str, n: int, seq_len: int, seed: int) -> list[str]:
+    """``n`` documents of ``lang`` the base writes itself (``generate``), as text: for stages that
+    read them through another tokenizer (``embed``'s fit reads them with the extended one)."""
+    return generate(model, tok, [lang] * n, seq_len, 1, seed, batch=n).texts(tok)
 
 
 def _sample(

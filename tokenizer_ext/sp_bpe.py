@@ -14,8 +14,7 @@ never be formed from text without that script, whatever its score.
 from __future__ import annotations
 
 import io
-import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,10 +105,10 @@ class MergeResult:
     skipped_no_path: int
 
 
-def merge_pieces(base: Any, new: Any, max_added: int, script: re.Pattern[str] | None) -> MergeResult:
+def merge_pieces(base: Any, new: Any, max_added: int, script: Callable[[str], bool] | None) -> MergeResult:
     """Append the target model's normal pieces to a copy of ``base`` as NORMAL pieces.
 
-    Kept: pieces absent from the base, containing a ``script`` character (when given), with at
+    Kept: pieces absent from the base, passing the ``script`` test (when given), with at
     least one split into two pieces already present (so a join can build them); at most
     ``max_added``, taken in the target model's learning order (most useful first).
     """
@@ -127,7 +126,7 @@ def merge_pieces(base: Any, new: Any, max_added: int, script: re.Pattern[str] | 
             continue
         if p.piece in vocab:
             in_base += 1
-        elif script is not None and not script.search(p.piece):
+        elif script is not None and not script(p.piece):
             wrong_script += 1
         elif len(p.piece) > 1 and not has_split(p.piece, vocab):
             no_path += 1
@@ -139,7 +138,7 @@ def merge_pieces(base: Any, new: Any, max_added: int, script: re.Pattern[str] | 
     return MergeResult(merged, added, scores, rescored, in_base, wrong_script, no_path)
 
 
-def target_scores(base: Any, new: Any, script: re.Pattern[str] | None) -> dict[str, float]:
+def target_scores(base: Any, new: Any, script: Callable[[str], bool] | None) -> dict[str, float]:
     """Scores that replay the target model's merge order, all above every base score.
 
     The i-th piece the target trainer learned scores ``top + n - i``. Base pieces that hold a
@@ -150,9 +149,7 @@ def target_scores(base: Any, new: Any, script: re.Pattern[str] | None) -> dict[s
     top = max((p.score for p in base.pieces if p.type in (NORMAL, USER_DEFINED)), default=0.0)
     top = max(top, 0.0)
     normal = [p.piece for p in new.pieces if p.type == NORMAL and len(p.piece) > 1]
-    return {
-        piece: float(top + len(normal) - i) for i, piece in enumerate(normal) if script is None or script.search(piece)
-    }
+    return {piece: float(top + len(normal) - i) for i, piece in enumerate(normal) if script is None or script(piece)}
 
 
 def set_added(merged: Any, base: Any, added: list[str], scores: dict[str, float]) -> int:

@@ -34,6 +34,13 @@ class ExtendParams:
         default="auto",
         metadata=check(help="added pieces must contain this script: auto (by language), none, or a regex class"),
     )
+    letters_only: bool = field(
+        default=False,
+        metadata=check(
+            help="added pieces are words or parts of words (letters, marks, a leading space): none with"
+            " punctuation, digits or bidi marks glued on (docs/adaptation.md, 'Which pieces')"
+        ),
+    )
     prune_unreachable: bool = field(default=True, metadata=check(help="drop added pieces nothing produces"))
     check_docs: int = field(default=0, metadata=check(ge(0), help="held-out docs per check (0 = all)"))
 
@@ -69,6 +76,13 @@ class EmbedParams(DomainEval):
     pad_to_multiple_of: int = field(
         default=64, metadata=check(ge(1), help="pad rows to a multiple (bitsandbytes 4-bit needs 32)")
     )
+    untie: bool = field(
+        default=False,
+        metadata=check(
+            help="give a tied model its own output matrix (a copy), so a new piece's input and output rows"
+            " can differ; the head's bytes are stored twice"
+        ),
+    )
     eval_docs: int = field(default=64, metadata=check(ge(0), help="held-out docs for bits per char (0 = skip)"))
     eval_max_length: int = field(default=256, metadata=check(ge(8)))
     fit: TrainParams = field(
@@ -87,6 +101,18 @@ class EmbedParams(DomainEval):
     fit_top_k: int = field(default=32, metadata=check(ge(1), help="fit: base tokens kept per aligned position"))
     fit_source_fraction: float = field(
         default=0.25, metadata=check(ge(0.0), le(0.9), help="fit: share of source-language documents in the text")
+    )
+    fit_replay_fraction: float = field(
+        default=0.0,
+        metadata=check(
+            ge(0.0),
+            le(0.9),
+            help="fit: share of each batch's windows cut from target-language text the base writes itself"
+            " (the new rows meet contexts outside the corpus; docs/adaptation.md)",
+        ),
+    )
+    fit_replay_docs: int = field(
+        default=32, metadata=check(ge(1), help="fit: base-written documents (fit.seq_len base tokens each)")
     )
 
 
@@ -143,6 +169,14 @@ class AdaptParams(DomainEval):
     )
     replay_weight: float = field(default=1.0, metadata=check(gt(0.0), help="weight of the replay (distillation) loss"))
     replay_top_k: int = field(default=32, metadata=check(ge(1), help="teacher tokens kept per replay position"))
+    replay_as_text: bool = field(
+        default=False,
+        metadata=check(
+            help="each model reads the replay as text through its own tokenizer (the extended one uses its"
+            " new pieces there) and is held to the base by the cross-tokenizer term; off: both read the"
+            " base's ids, where no new piece ever comes next"
+        ),
+    )
     distill_weight: float = field(
         default=0.0,
         metadata=check(

@@ -332,21 +332,44 @@ def test_distillation_with_replay_and_the_same_budget_base(
 ) -> None:
     """Both runs take the term (the base's tokens align one to one with its own); replay mixes in."""
     ctx = make_ctx(tmp_path, trained_embedded, corpus, "adapt", base=trained_base)
-    p = AdaptParams(
-        train=TrainParams(**{**TINY, "batch_size": 4}),
-        distill_weight=1.0,
-        distill_top_k=4,
-        replay_fraction=0.25,
-        replay_top_k=4,
-        eval_docs=1,
-        eval_max_length=32,
-        gen_tokens=0,
-        train_docs=20,
-        domain_eval=[],
-    )
+    p = _replay_params(distill_weight=1.0, distill_top_k=4, replay_fraction=0.25)
     m = adapt.run(ctx, p)
     assert m["extended"]["steps_run"] == m["base_same_budget"]["steps_run"] == 2
     assert all(torch.isfinite(torch.tensor(m[k]["loss_curve"])).all() for k in ("extended", "base_same_budget"))
     assert any(
         "distill_weight" in q for q in AdaptParams(distill_weight=1.0, mode="full", deepspeed="x.json").validate()
     )
+
+
+def test_replay_as_text_shows_the_extended_model_its_new_pieces(
+    tmp_path: Path, trained_embedded: Path, trained_base: Path, corpus: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``replay_as_text``: each run reads the base-written sequences through its own tokenizer,
+    so the extended run's replay windows hold new pieces (read as base ids they never would) and
+    the same-budget base run's hold none; both train against the base and finish."""
+    from tokenizer_ext import cross_tok
+
+    seen: list[torch.Tensor] = []
+    real = cross_tok.collate
+
+    def spy(windows: Any, pad: int) -> dict[str, torch.Tensor]:
+        batch = real(windows, pad)
+        seen.append(batch["input_ids"])
+        return batch
+
+    monkeypatch.setattr(cross_tok, "collate", spy)
+    ctx = make_ctx(tmp_path, trained_embedded, corpus, "adapt", base=trained_base)
+    p = _replay_params(replay_fraction=0.5, replay_as_text=True)
+    m = adapt.run(ctx, p)
+    assert m["extended"]["steps_run"] == m["base_same_budget"]["steps_run"] == 2
+    assert all(torch.isfinite(torch.tensor(m[k]["loss_curve"])).all() for k in ("extended", "base_same_budget"))
+    assert len(seen) == 4 and all(ids.shape[0] == 2 for ids in seen)  # two replay windows per step, two runs
+    base_n = 32000
+    assert any((ids >= base_n).any() for ids in seen[:2])  # the extended run reads new pieces
+    assert not any((ids >= base_n).any() for ids in seen[2:])  # the base run cannot
+
+
+def _replay_params(**kw: Any) -> AdaptParams:
+    """Two tiny steps of 4 sequences with replay, scored on one document: what the replay tests vary."""
+    fixed: dict[str, Any] = dict(replay_top_k=4, eval_docs=1, eval_max_length=32, gen_tokens=0, train_docs=20)
+    return AdaptParams(train=TrainParams(**{**TINY, "batch_size": 4}), domain_eval=[], **{**fixed, **kw})

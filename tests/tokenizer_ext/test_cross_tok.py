@@ -143,3 +143,32 @@ def test_fit_reports_the_rows_before_fitting(tmp_path: Path, sp_extended_dir: Pa
     m = embed.run(ctx, _fit_params(2, eval_docs=2, eval_max_length=32))
     assert set(m["bits_per_char"]) == {"base", "before_fit", "extended_init"}
     assert m["bits_per_char"]["before_fit"] != m["bits_per_char"]["extended_init"]
+
+
+def test_fit_replay_cuts_windows_from_text_the_base_writes(
+    tmp_path: Path, trained_base: Path, corpus: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fit_replay_fraction``: that share of every batch's windows comes from documents the base
+    wrote (``replay.written_texts``, the same for a resumed run), the rest from the corpus."""
+    from tokenizer_ext import replay
+
+    seen: list[tuple[int, int]] = []
+    real = cross_tok.sample_windows
+
+    def spy(texts: Any, n: int, *args: Any, **kw: Any) -> Any:
+        seen.append((len(texts), n))
+        return real(texts, n, *args, **kw)
+
+    monkeypatch.setattr(cross_tok, "sample_windows", spy)
+    ctx = make_ctx(tmp_path, trained_base, corpus, "embed")
+    metrics = embed.run(ctx, _fit_params(2, fit_replay_fraction=0.5, fit_replay_docs=3))
+    assert metrics["fit"]["replay_windows_per_batch"] == 2 and metrics["fit"]["replay_docs"] == 3
+    assert sorted(set(seen))[0] == (3, 2) and len(seen) == 4  # two steps: corpus windows and written ones
+    assert all(n == 2 for _, n in seen)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(trained_base, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(trained_base / "base_tokenizer")
+    texts = replay.written_texts(base, tok, "ar", 3, 24, seed=5)
+    assert texts == replay.written_texts(base, tok, "ar", 3, 24, seed=5)
+    assert all(any("\u0621" <= c <= "\u064a" for c in t) for t in texts), texts

@@ -123,3 +123,42 @@ def test_embed_keeps_the_tie(gemma_extended: tuple[Path, dict], tmp_path: Path, 
         torch.testing.assert_close(emb[n + i], base[sources[i]].mean(0))
     # the model scales its embeddings (Gemma multiplies by sqrt(hidden)): the resized module kept its class
     assert type(model.get_input_embeddings()).__name__ == "Gemma3TextScaledWordEmbedding"
+
+
+def test_letters_only_adds_no_piece_with_punctuation(gemma_dir: Path, tmp_path: Path, corpus: Any) -> None:
+    """``letters_only``: no added piece glues punctuation or bidi marks to letters, while the
+    same corpus without it does add such pieces (the hadith's ``word،``)."""
+    base = family.load_base(gemma_dir)
+    glued = {}
+    for flag in (False, True):
+        ctx = make_ctx(tmp_path / str(flag), gemma_dir, corpus, "extend")
+        extend.run(ctx, ExtendParams(vocab_size=base.size + 400, max_train_chars=300_000, letters_only=flag))
+        spec = json.loads((ctx.out_dir / "tokenizer.json").read_text())
+        added = [t for t, i in spec["model"]["vocab"].items() if i >= base.size]
+        glued[flag] = [t for t in added if not family.is_word(t)]
+    assert glued[False], "the corpus should produce glued pieces, or this test tests nothing"
+    assert glued[True] == []
+
+
+def test_is_word() -> None:
+    assert family.is_word("▁الله") and family.is_word("ال") and family.is_word("Ġword") and family.is_word("بِ")
+    for text in ("▁الله،", "\u200f.\u200f", "▁", "", "ب2", "▁a-b"):
+        assert not family.is_word(text), text
+
+
+def test_untie_gives_new_rows_their_own_output(gemma_extended: tuple[Path, dict], tmp_path: Path, corpus: Any) -> None:
+    """``untie``: the saved model has a head of its own, equal to the embedding where written
+    (base rows and the initialised new rows) and stays untied after a reload."""
+    from transformers import AutoModelForCausalLM
+
+    ext_dir, m = gemma_extended
+    ctx = make_ctx(tmp_path, ext_dir, corpus, "embed")
+    metrics = embed.run(ctx, EmbedParams(eval_docs=0, domain_eval=[], untie=True))
+    assert metrics["tied"] is False
+    model = AutoModelForCausalLM.from_pretrained(ctx.out_dir, dtype=torch.float32)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert emb.data_ptr() != head.data_ptr() and not model.config.tie_word_embeddings
+    torch.testing.assert_close(head, emb)
+    with torch.no_grad():
+        head[m["base_vocab_size"]] += 1.0
+    assert not torch.equal(head[m["base_vocab_size"]], emb[m["base_vocab_size"]])

@@ -61,6 +61,17 @@ class DomainEval:
         return domains.problems(self.domain_eval, "domain_eval")
 
 
+def share_problems(name: str, fraction: float, batch_size: int) -> list[str]:
+    """A share of each batch given to replayed text must be at least one sequence and leave
+    one for the corpus."""
+    n = round(batch_size * fraction)
+    if fraction and n == 0:
+        return [f"{name}: {fraction} of batch_size {batch_size} is no sequence; raise it or the batch size"]
+    if fraction and n >= batch_size:
+        return [f"{name}: leaves no corpus sequence in a batch; lower it or raise batch_size"]
+    return []
+
+
 @dataclass
 class EmbedParams(DomainEval):
     """``tokenizer_ext.embed``: resize, initialise and measure the untrained extension."""
@@ -114,6 +125,10 @@ class EmbedParams(DomainEval):
     fit_replay_docs: int = field(
         default=32, metadata=check(ge(1), help="fit: base-written documents (fit.seq_len base tokens each)")
     )
+
+    def validate(self) -> list[str]:
+        """The other-domain sets, and a replay share that is a whole number of windows."""
+        return super().validate() + share_problems("fit_replay_fraction", self.fit_replay_fraction, self.fit.batch_size)
 
 
 @dataclass
@@ -209,13 +224,9 @@ class AdaptParams(DomainEval):
             problems.append("distill_weight: the distillation term runs in the Trainer, not under DeepSpeed yet")
         if self.replay_fraction and self.deepspeed:
             problems.append("replay_fraction: the replay loss runs in the Trainer, not under DeepSpeed yet")
-        if self.replay_fraction and round(self.train.batch_size * self.replay_fraction) == 0:
-            problems.append(
-                f"replay_fraction: {self.replay_fraction} of batch_size {self.train.batch_size} is no sequence;"
-                " raise it or the batch size"
-            )
-        if self.replay_fraction and round(self.train.batch_size * self.replay_fraction) >= self.train.batch_size:
-            problems.append("replay_fraction: leaves no corpus sequence in a batch; lower it or raise batch_size")
+        problems += share_problems("replay_fraction", self.replay_fraction, self.train.batch_size)
+        if self.replay_as_text and not self.replay_fraction:
+            problems.append("replay_as_text: there is no replay to read; set replay_fraction (e.g. 0.25)")
         if self.lora_layers is not None and (self.mode != "qlora" or not self.lora_layers):
             problems.append("lora_layers: a non-empty list of layer indices, for mode qlora only")
         if self.base_rows_lr_scale != 1.0 and not self.full_embeddings:

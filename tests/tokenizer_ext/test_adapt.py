@@ -270,6 +270,14 @@ def test_replay_options_are_checked() -> None:
         "no corpus sequence" in q for q in AdaptParams(train=TrainParams(batch_size=2), replay_fraction=0.9).validate()
     )
     assert any("lora_layers" in q for q in AdaptParams(mode="full", lora_layers=[0]).validate())
+    assert any("replay_as_text" in q for q in AdaptParams(replay_as_text=True).validate())
+    assert not AdaptParams(replay_as_text=True, replay_fraction=0.25).validate()
+    from tokenizer_ext.stages import EmbedParams
+
+    fit = TrainParams(batch_size=4)
+    assert any("fit_replay_fraction" in q for q in EmbedParams(fit=fit, fit_replay_fraction=0.1).validate())
+    assert any("no corpus sequence" in q for q in EmbedParams(fit=fit, fit_replay_fraction=0.9).validate())
+    assert not EmbedParams(fit=fit, fit_replay_fraction=0.5).validate()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,9 @@ says so once in the log.
 
 ISA: the matrix products exist in four variants in the one build (`csrc/gemv.cpp`): avx2,
 avx512 (512-bit vectors), avx512_vnni (the int4 x int8 path's multiplier product fused into
-vpdpwssd) and avx512_bf16 (bf16 weights times bf16 activations with vdpbf16ps). `load` picks the
+vpdpwssd) and avx512_bf16 (bf16 weights times bf16 activations with vdpbf16ps); a fifth, amx,
+runs the avx512_bf16 kernels and adds AMX tile GEMMs (`csrc/amx.cpp`, `amx_linear`) for bf16
+batches larger than the one-row kernel takes (mixed steps, prefill). `load` picks the
 most capable one the CPU's flags allow (`/proc/cpuinfo`), or the one `WARSHA_CPU_ISA` names
 (e.g. `WARSHA_CPU_ISA=avx2` to compare against the AVX2 kernels on an AVX-512 host); `isa()`
 reports it for `/metrics` and the manifest's `runtime.isa`. Attention, RoPE and RMSNorm have one
@@ -39,7 +41,7 @@ import torch
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPP_FILES = ("gemv.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "bindings.cpp")
+CPP_FILES = ("gemv.cpp", "amx.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "bindings.cpp")
 SOURCES = tuple(CSRC / name for name in CPP_FILES)
 HEADERS = (CSRC / "bf16.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
@@ -54,12 +56,16 @@ LDFLAGS = ["-fopenmp"]
 STALE_LOCK_SECONDS = 600.0
 ISA_ENV = "WARSHA_CPU_ISA"
 # Each variant and the /proc/cpuinfo flags it needs, least capable first (a CPU with avx512_bf16
-# has VNNI too: Cooper Lake, Sapphire Rapids, Zen 4).
+# has VNNI too: Cooper Lake, Sapphire Rapids, Zen 4). amx: the avx512_bf16 kernels plus AMX tile
+# GEMMs for bf16 batches past the one-row kernel's reach (csrc/amx.cpp); it also needs the OS to
+# grant the tile state (Linux 5.16+), asked for at load: where refused, avx512_bf16 runs instead.
+_AVX512 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512_vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
-    "avx512_bf16": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"),
+    "avx512": _AVX512,
+    "avx512_vnni": (*_AVX512, "avx512_vnni"),
+    "avx512_bf16": (*_AVX512, "avx512_vnni", "avx512_bf16"),
+    "amx": (*_AVX512, "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"),
 }
 ISAS = tuple(ISA_FLAGS)
 
@@ -119,8 +125,34 @@ def isa() -> str:
 
 
 def has_bf16_dot() -> bool:
-    """True when the running variant multiplies bf16 by bf16 natively (avx512_bf16: vdpbf16ps)."""
-    return isa() == "avx512_bf16"
+    """True when the running variant multiplies bf16 by bf16 natively (vdpbf16ps: avx512_bf16, amx)."""
+    return isa() in ("avx512_bf16", "amx")
+
+
+def has_amx() -> bool:
+    """True when the running variant has AMX tile GEMMs for bf16 batches (`amx_linear`)."""
+    return isa() == "amx"
+
+
+def amx_fits(weight: torch.Tensor) -> bool:
+    """Whether `amx_linear` takes this weight: a bf16 CPU matrix of 16k outputs and 32k inputs, AMX running."""
+    n, k = weight.shape
+    return has_amx() and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 16 == 0 and k % 32 == 0
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The tile-ordered copy of a bf16 weight [N, K] that `amx_linear` reads (see csrc/amx.cpp)."""
+    return load().amx_pack_bf16(weight)
+
+
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] bf16 @ W.T (+ bias) on AMX tiles: bf16 rounded once, or into a float32 `out` through bf16."""
+    if out is None:
+        return load().amx_linear_bf16(x, packed, bias)
+    load().amx_linear_bf16_out(x, packed, bias, out, True)
+    return out
 
 
 @contextlib.contextmanager
@@ -151,6 +183,9 @@ def load() -> ModuleType | None:
         return None
     lib = _build()
     if lib is not None:
+        if chosen == "amx" and not lib.amx_enable():
+            log.warning("the OS refused the AMX tile state (Linux 5.16+ grants it): running avx512_bf16")
+            chosen = "avx512_bf16"
         lib.set_isa(chosen)
         how = (
             f"{ISA_ENV}={chosen}"

@@ -10,13 +10,16 @@ buffer the engine keeps from step to step. The numbers are those of one GEMM ove
 rounded to bf16 and widened, as before: a slice only cuts the output columns, never the reduction.
 
 Decode-sized batches (up to the bf16 kernel's row limit) take serve's kernel over the whole
-head, as `DenseLinear` does.
+head, as `DenseLinear` does. Where serve's kernels run their amx variant, larger batches take
+its AMX tile GEMM over the whole head instead of the slices, writing the same numbers (float32
+sums rounded once to bf16, widened) straight into the buffer: no slice outputs, no copies.
 """
 
 from __future__ import annotations
 
 import torch
 
+from serve import cpu_kernels
 from serve.quant import DenseLinear
 
 SLICE_ROWS = 32768  # vocabulary rows per prepacked slice: its bf16 output for 64 rows is 4 MiB
@@ -47,8 +50,10 @@ class SlicedHead:
             raise ValueError(f"SlicedHead takes a bf16 CPU weight, got {weight.dtype} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.whole = DenseLinear(weight, upcast=False, prepack=False)  # decode rows: serve's kernel
+        # AMX tiles write the whole head's float32 logits in place; oneDNN runs by slices
+        self.amx = cpu_kernels.amx_pack(weight) if cpu_kernels.amx_fits(weight) else None
         self.bounds = [(a, min(a + slice_rows, self.out_features)) for a in range(0, self.out_features, slice_rows)]
-        self.slices = [DenseLinear(weight[a:b], upcast=False) for a, b in self.bounds]
+        self.slices = [] if self.amx is not None else [DenseLinear(weight[a:b], upcast=False) for a, b in self.bounds]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [rows, V] of bf16 rows x [rows, H], written into `out` when given."""
@@ -57,6 +62,8 @@ class SlicedHead:
             y = self.whole(x).float()
             return y if out is None else out.copy_(y)
         out = torch.empty(rows, self.out_features) if out is None else out
+        if self.amx is not None:
+            return cpu_kernels.amx_linear(x, self.amx, out=out)
         for (a, b), part in zip(self.bounds, self.slices):
             out[:, a:b].copy_(part(x))
         return out

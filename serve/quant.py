@@ -36,6 +36,8 @@ NATIVE_BF16_KERNEL_MAX_ROWS = 4
 # head of Gemma 3 at 32-48 rows: 45-50 ms against 24-35 ms); any hint from 16 up gives the same
 # AB16b32a2b layout. Batch-1 decode does not read it (serve's kernel takes up to 4 rows).
 BF16_PACK_BATCH_HINT = 64
+# bf16 weights where serve's kernels run their amx variant: AMX tile GEMMs (csrc/amx.cpp) take every
+# batch past the one-row kernel's rows, in place of oneDNN's prepacked copy (never both: one copy)
 
 
 def unpack_qweight(qweight: torch.Tensor) -> torch.Tensor:
@@ -230,7 +232,9 @@ class DenseLinear:
     rows, MKL above), computed the same way. The copy costs twice the bf16 weight's memory and makes
     prefill several times faster there. On a CPU with native bf16 the weight stays oneDNN-prepacked, but up
     to NATIVE_BF16_KERNEL_MAX_ROWS rows go through serve's kernel when it runs its avx512_bf16
-    variant (bf16 x bf16 with vdpbf16ps; same float32 accumulation and single rounding).
+    variant (bf16 x bf16 with vdpbf16ps; same float32 accumulation and single rounding), and
+    where it runs its amx variant every larger batch takes serve's AMX tile GEMM on a tile-ordered
+    copy instead of oneDNN's (`cpu_kernels.amx_linear`; float32 sums, the bias, one rounding).
     A float32 weight runs serve's AVX2 kernel for up to
     F32_KERNEL_MAX_ROWS rows (oneDNN's fixed per-call cost exceeds a small layer's whole product
     there) and is oneDNN-prepacked up to PACKED_MAX_ROWS rows (MKL above), as vLLM's CPU backend
@@ -250,14 +254,17 @@ class DenseLinear:
         self.weight = weight.contiguous()
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        self.packed = _mkldnn_pack(self.weight, batch_hint=BF16_PACK_BATCH_HINT) if prepack else None
+        use = cpu_kernels.available() if use_kernels is None else use_kernels
+        self.amx = cpu_kernels.amx_pack(self.weight) if prepack and use and cpu_kernels.amx_fits(self.weight) else None
+        self.packed = None
+        if prepack and self.amx is None:
+            self.packed = _mkldnn_pack(self.weight, batch_hint=BF16_PACK_BATCH_HINT)
         is_f32 = weight.dtype == torch.float32
         self.packed_f32 = _mkldnn_pack(self.weight, allow_float32=True, batch_hint=5) if is_f32 else None
         if upcast is None:
             upcast = upcast_bf16_default(weight.dtype, weight.device)
         upcast = upcast and weight.dtype == torch.bfloat16
         self.weight32 = self.weight.float() if upcast else None
-        use = cpu_kernels.available() if use_kernels is None else use_kernels
         native = use and not upcast and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
         native = native and cpu_kernels.has_bf16_dot()  # the widening AVX2 kernel lost to oneDNN here
         self.bias32 = bias.float() if (upcast or native) and bias is not None else None
@@ -281,6 +288,10 @@ class DenseLinear:
         if self.packed_f32 is not None and x.dtype == torch.float32 and 0 < rows <= PACKED_MAX_ROWS:
             x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_f32, self.bias, "none", [], "")
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        if self.amx is not None and x.dtype == torch.bfloat16:
+            x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
+            y = cpu_kernels.amx_linear(x2, self.amx, self.bias)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

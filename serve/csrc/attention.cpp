@@ -318,7 +318,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   for (int64_t b = 0; b < B; ++b) covered += l[b];
   // rows of other chunks (a prefill beside the decodes) stay zero until the caller fills them
   torch::Tensor out = covered == q.size(0) ? torch::empty_like(q) : torch::zeros_like(q);
-  const std::string isa = current_isa();
+  const std::string chosen = current_isa();
+  const std::string isa = chosen == "amx" ? "avx512_bf16" : chosen;  // amx: the avx512_bf16 kernels beside its tiles
   const bool wide = isa.rfind("avx512", 0) == 0 && D % 64 == 0;
   const bool f32 = q.scalar_type() == torch::kFloat32;
   if (wide && isa == "avx512_bf16")

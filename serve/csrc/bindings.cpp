@@ -12,6 +12,11 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, at::ScalarType out_dtype);
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, double eps);
 int64_t parallel_threads();
+bool amx_enable();
+torch::Tensor amx_pack_bf16(const torch::Tensor& w);
+void amx_linear_bf16_out(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                         torch::Tensor out, bool round_bf16);
+torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 void set_isa(const std::string& name);
 std::string current_isa();
 torch::Tensor argmax_rows(const torch::Tensor& logits);
@@ -31,7 +36,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int8", &gemv_int8, "y = (x @ q.T) * scale for an int8 weight with one scale per output row ");
   m.def("rms_norm_bf16", &rms_norm_bf16, "transformers' RMSNorm on bf16 rows in one call");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on new queries/keys and their K/V written into the paged cache, in one call");
-  m.def("set_isa", &set_isa, "run the named ISA variant of the matrix products (avx2, avx512, avx512_vnni, avx512_bf16)");
+  m.def("set_isa", &set_isa, "run the named ISA variant of the matrix products (avx2, avx512, avx512_vnni, avx512_bf16, amx)");
+  m.def("amx_enable", &amx_enable, "ask the OS for the AMX tile state once; false where the CPU or OS gives none");
+  m.def("amx_pack_bf16", &amx_pack_bf16, "a bf16 weight [N, K] in AMX tile order (N % 16 == 0, K % 32 == 0)");
+  m.def("amx_linear_bf16_out", &amx_linear_bf16_out, "out = x @ W.T (+ bias) on AMX tiles, into a bf16 or float32 out");
+  m.def("amx_linear_bf16", &amx_linear_bf16, "x @ W.T (+ bias) on AMX tiles, bf16 out, one rounding");
   m.def("current_isa", &current_isa, "the ISA variant the matrix products run");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
   m.def("rms_norm_bf16_scaled", &rms_norm_bf16_scaled, "RMSNorm of bf16 rows times a float32 weight, rounded once (Gemma's 1 + w)");

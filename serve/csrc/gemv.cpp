@@ -294,7 +294,8 @@ namespace isa_avx512_bf16 {
 #pragma GCC pop_options
 
 // The variant every entry point runs: set once at load by serve/cpu_kernels.py (set_isa).
-enum class Isa { kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
+// kAmx: the avx512_bf16 kernels here, and serve/csrc/amx.cpp's tile GEMM for larger batches.
+enum class Isa { kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16, kAmx };
 Isa g_isa = Isa::kAvx2;
 
 }  // namespace
@@ -304,10 +305,13 @@ Isa g_isa = Isa::kAvx2;
     case Isa::kAvx512: return isa_avx512::fn(__VA_ARGS__);                 \
     case Isa::kAvx512Vnni: return isa_avx512_vnni::fn(__VA_ARGS__);        \
     case Isa::kAvx512Bf16: return isa_avx512_bf16::fn(__VA_ARGS__);        \
+    case Isa::kAmx: return isa_avx512_bf16::fn(__VA_ARGS__);               \
     default: return isa_avx2::fn(__VA_ARGS__);                             \
   }
 
-// Choose the variant by name ("avx2", "avx512", "avx512_vnni", "avx512_bf16"); the CPU must
+bool amx_enable();  // serve/csrc/amx.cpp: the OS grants the tile state (once)
+
+// Choose the variant by name ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"); the CPU must
 // report every extension it uses (checked here too: a wrong choice would be an illegal
 // instruction, not an error).
 void set_isa(const std::string& name) {
@@ -327,8 +331,11 @@ void set_isa(const std::string& name) {
   } else if (name == "avx512_bf16") {
     TORCH_CHECK(bf16, "this CPU lacks AVX-512 BF16: the avx512_bf16 kernels cannot run here");
     g_isa = Isa::kAvx512Bf16;
+  } else if (name == "amx") {
+    TORCH_CHECK(bf16 && amx_enable(), "this CPU or its OS gives no AMX tiles: the amx kernels cannot run here");
+    g_isa = Isa::kAmx;
   } else {
-    TORCH_CHECK(false, "unknown ISA '", name, "': one of avx2, avx512, avx512_vnni, avx512_bf16");
+    TORCH_CHECK(false, "unknown ISA '", name, "': one of avx2, avx512, avx512_vnni, avx512_bf16, amx");
   }
 }
 
@@ -337,6 +344,7 @@ std::string current_isa() {
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx512Vnni: return "avx512_vnni";
     case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAmx: return "amx";
     default: return "avx2";
   }
 }

@@ -54,8 +54,11 @@ def test_the_cpus_best_variant_is_chosen_unless_the_environment_names_one() -> N
     assert cpu_kernels.isa() == cpu_kernels.select_isa()  # loaded under this environment
     if not os.environ.get(cpu_kernels.ISA_ENV):
         assert cpu_kernels.isa() == cpu_kernels.supported_isas()[-1]
-        if {"avx512f", "avx512_bf16", "avx512_vnni"} <= cpu_kernels.cpu_flags():  # e.g. Sapphire Rapids, Zen 4
+        flags = cpu_kernels.cpu_flags()
+        if {"avx512f", "avx512_bf16", "avx512_vnni"} <= flags and "amx_tile" not in flags:  # e.g. Zen 4
             assert cpu_kernels.isa() == "avx512_bf16"
+        if {"avx512_bf16", "amx_tile", "amx_bf16"} <= flags:  # Sapphire Rapids: AMX unless the OS refuses it
+            assert cpu_kernels.isa() == ("amx" if cpu_kernels.load().amx_enable() else "avx512_bf16")
     env = {**os.environ, cpu_kernels.ISA_ENV: "avx2"}
     code = "from serve import cpu_kernels; print(cpu_kernels.isa())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -64,17 +67,23 @@ def test_the_cpus_best_variant_is_chosen_unless_the_environment_names_one() -> N
 
 def test_isa_selection_by_flags_and_bad_overrides() -> None:
     """The dispatch logic on made-up CPUs: AVX2-only (Zen 3), AVX-512 without VNNI (Skylake-X),
-    with VNNI (Cascade Lake), with BF16 and AMX (Sapphire Rapids: AMX adds no variant of its own)."""
+    with VNNI (Cascade Lake), with BF16 (Zen 4), with BF16 and AMX (Sapphire Rapids)."""
     avx2 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
     skx = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
     clx = skx | {"avx512_vnni"}
-    spr = clx | {"avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}
+    zen4 = clx | {"avx512_bf16"}
+    spr = zen4 | {"amx_bf16", "amx_int8", "amx_tile"}
     assert cpu_kernels.select_isa(frozenset({"sse4_2"}), env="") is None
     assert cpu_kernels.select_isa(avx2, env="") == "avx2"
     assert cpu_kernels.select_isa(skx, env="") == "avx512"
     assert cpu_kernels.select_isa(clx, env="") == "avx512_vnni"
-    assert cpu_kernels.select_isa(spr, env="") == "avx512_bf16"
+    assert cpu_kernels.select_isa(zen4, env="") == "avx512_bf16"
+    assert cpu_kernels.select_isa(spr, env="") == "amx"
+    assert cpu_kernels.select_isa(spr, env="avx512_bf16") == "avx512_bf16"
     assert cpu_kernels.select_isa(spr, env=" AVX2 ") == "avx2"
+    assert cpu_kernels.supported_isas(spr)[-2:] == ("avx512_bf16", "amx")
+    with pytest.raises(ValueError, match=r"WARSHA_CPU_ISA=amx: this CPU lacks amx_bf16, amx_tile"):
+        cpu_kernels.select_isa(zen4, env="amx")
     assert cpu_kernels.supported_isas(clx) == ("avx2", "avx512", "avx512_vnni")
     with pytest.raises(ValueError, match=r"WARSHA_CPU_ISA='avx9'.*one of avx2, avx512"):
         cpu_kernels.select_isa(spr, env="avx9")
@@ -104,7 +113,7 @@ def test_bf16_kernel_is_float32_accumulation_of_bf16_values(rows: int, n: int, k
     assert got.dtype == torch.bfloat16
     assert bool(((got.double() - ref).abs() <= _spacing(ref) + accumulation).all())
     got_f = cpu_kernels.gemv_bf16(x.float(), w, torch.float32)  # float32 input, same values
-    if isa == "avx512_bf16":  # bf16 input took vdpbf16ps, float32 input the widening kernel
+    if isa in ("avx512_bf16", "amx"):  # bf16 input took vdpbf16ps, float32 input the widening kernel
         assert bool(((got_f.double() - ref).abs() <= accumulation + 1e-30).all())
     else:
         assert torch.equal(got_f, got32.float())

@@ -22,6 +22,9 @@ recipe's imported Gemma 3 270M, runs/arabic-gemma3-270m/import):
     in this run (a 1 GiB float32 sum at the same thread count).
   - the 64-request mixed workload of serve_bench (prompts 16-512, outputs 16-256, greedy): Warsha
     vs vLLM, bf16 and float32, tokens/s with TTFT and TPOT percentiles (`--mixed-presets`).
+  - `--mixed-pairs N`: the mixed workload again, Warsha bf16 and vLLM bf16 in N pairs taking turns
+    in ABBA order (the host's speed drifts over minutes), with each pair's ratio, their median and
+    geometric mean: the figure to quote for the mixed workload.
   - float32 token identity, Warsha vs vLLM: the batch-1 output, 8 short requests, and the mixed
     workload where it runs.
 One table is printed; the JSON goes to benchmarks/results/serve_peers-<time>.json.
@@ -42,7 +45,15 @@ import torch
 
 from benchmarks import serve_bench as sb
 from serve import roofline as rl
-from serve.peer_compare import checkpoint_key, latency_percentiles, merge_rounds, staged_checkpoint, warsha_vs_best_peer
+from serve.peer_compare import (
+    abba_order,
+    checkpoint_key,
+    latency_percentiles,
+    merge_rounds,
+    paired_ratios,
+    staged_checkpoint,
+    warsha_vs_best_peer,
+)
 
 HERE = Path(__file__).resolve().parent
 PEERS_CACHE = Path(os.environ.get("WARSHA_PEERS_CACHE", Path.home() / ".cache" / "warsha-peers"))
@@ -243,7 +254,29 @@ def bench_model(
                 res["mixed"]["warsha fp32"]["outputs"], v32["mixed"]["outputs"]
             )
     res["fp32_identical_warsha_vs_vllm"] = ident
+    if mixed and args.mixed_pairs and "vllm" not in args.skip:
+        res["mixed_pairs"] = mixed_pairs(model_dir, mixed_reqs, args)
     return res
+
+
+def mixed_pairs(model_dir: Path, reqs: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
+    """Warsha bf16 and vLLM bf16 over the mixed workload in `--mixed-pairs` ABBA pairs, each
+    vLLM run in a fresh process (its start-up is outside the timed call, as Warsha's load is)."""
+    pairs: list[dict[str, Any]] = []
+    for order in abba_order(args.mixed_pairs, "warsha", "vllm"):
+        pair: dict[str, Any] = {"order": list(order)}
+        for engine in order:
+            if engine == "warsha":
+                pair["warsha"] = warsha_run(model_dir, reqs, args)["tok_per_s"]
+                continue
+            v = run_vllm(model_dir, "bfloat16", [{"name": "mixed", "requests": reqs}], args)
+            job = v.get("jobs", {}).get("mixed")
+            pair["vllm"] = job["tok_per_s"] if job else None
+            if job is None:
+                pair["vllm_error"] = v.get("error", "no mixed job in vLLM's output")[-500:]
+        pairs.append(pair)
+        print(f"mixed pair {len(pairs)}/{args.mixed_pairs} {order}: {pair}", flush=True)
+    return {"pairs": pairs, **paired_ratios(pairs, "warsha", "vllm")}
 
 
 def mixed_results(
@@ -304,6 +337,13 @@ def print_report(results: dict[str, Any]) -> None:
             best_v = max(mixed[k].get("tok_per_s", 0) for k in ("vLLM bf16", "vLLM fp32"))
             if best_v:
                 print(f"Warsha / vLLM, mixed (best dtype each): {best_w / best_v:.2f}x")
+        pairs = res.get("mixed_pairs")
+        if pairs and pairs.get("ratios"):
+            each = ", ".join(f"{r:.2f}" for r in pairs["ratios"])
+            print(
+                f"Warsha bf16 / vLLM bf16, mixed, {len(pairs['ratios'])} ABBA pairs: {each}; "
+                f"median {pairs['median']:.2f}x, geometric mean {pairs['geomean']:.2f}x"
+            )
         print(
             "fp32 token identity Warsha vs vLLM:", {k: _f(v) for k, v in res["fp32_identical_warsha_vs_vllm"].items()}
         )
@@ -332,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rounds", type=int, default=1, help="batch-1 decode rounds of Warsha, llama.cpp and HF (median reported)"
     )
+    p.add_argument(
+        "--mixed-pairs",
+        type=int,
+        default=0,
+        help="also run the mixed workload as this many Warsha bf16 / vLLM bf16 pairs in ABBA order (the ratio "
+        "to quote; each pair takes about as long as the two single runs)",
+    )
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="KV budget given to Warsha and vLLM alike")
     p.add_argument("--skip", default="", help="peers to leave out: vllm,llamacpp,hf")
     p.add_argument("--vllm-int4", action="store_true", help="also try vLLM on the GPTQ checkpoint (one more engine)")
@@ -340,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.mixed_pairs < 0:
+        p.error(f"--mixed-pairs must be 0 (off) or more, got {args.mixed_pairs}")
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - {"vllm", "llamacpp", "hf"}
     if unknown:

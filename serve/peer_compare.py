@@ -7,6 +7,8 @@ report is computed here, so it is tested against rows whose answer is known:
   same percentile as the engine's own stats (`serve.stats.percentile`);
 - `merge_rounds`: one row per engine from interleaved rounds (the median tok/s);
 - `warsha_vs_best_peer`: Warsha's best figure over the best peer's at a bit width;
+- `abba_order`, `paired_ratios`: two engines in alternating pairs (AB BA AB ...) and the ratio of
+  each pair, so a host whose speed drifts over minutes moves both sides of every ratio alike;
 - `spec_summary`, `spec_comparisons`: speculative rows against the same engine's plain rows;
 - `checkpoint_key`, `staged_checkpoint`: a checkpoint laid out for llama.cpp's converter, which
   reads a tokenizer beside the weights (a random benchmark checkpoint has none, so a placeholder
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -60,6 +63,30 @@ def warsha_vs_best_peer(rows: list[dict[str, Any]], bits: int) -> tuple[float, s
         return None
     best = max(theirs, key=lambda r: r["tok_s"])
     return max(r["tok_s"] for r in ours) / best["tok_s"], best["engine"]
+
+
+def abba_order(pairs: int, a: str, b: str) -> list[tuple[str, str]]:
+    """The run order of `pairs` pairs of engines `a` and `b`: a b, b a, a b, ...
+
+    Why: the shared host's speed drifts monotonically over minutes (the same code moved by a
+    third between runs); in AB AB order the second engine always runs on the later machine, in
+    ABBA order each engine is first as often as second.
+    """
+    return [(a, b) if i % 2 == 0 else (b, a) for i in range(pairs)]
+
+
+def paired_ratios(pairs: list[dict[str, float]], num: str, den: str) -> dict[str, Any]:
+    """Each pair's `num` / `den` tok/s, with their median, geometric mean and range.
+
+    A pair missing either figure (an engine failed) is left out of the summary and counted.
+    """
+    ratios = [p[num] / p[den] for p in pairs if p.get(num) and p.get(den)]
+    out: dict[str, Any] = {"ratios": ratios, "pairs": len(pairs), "failed_pairs": len(pairs) - len(ratios)}
+    if ratios:
+        out["median"] = statistics.median(ratios)
+        out["geomean"] = math.exp(statistics.fmean(math.log(r) for r in ratios))
+        out["min"], out["max"] = min(ratios), max(ratios)
+    return out
 
 
 def spec_summary(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -154,6 +154,26 @@ def test_rounds_merge_to_the_median_and_keep_every_rate() -> None:
     assert merged[2] == {"engine": "broken", "error": "x"}
 
 
+def test_abba_order_puts_each_engine_first_as_often_as_second() -> None:
+    order = peer_compare.abba_order(4, "warsha", "vllm")
+    assert order == [("warsha", "vllm"), ("vllm", "warsha"), ("warsha", "vllm"), ("vllm", "warsha")]
+    assert sum(o[0] == "warsha" for o in order) == sum(o[1] == "warsha" for o in order)
+    assert peer_compare.abba_order(0, "a", "b") == []
+
+
+def test_paired_ratios_against_a_loop_and_a_failed_pair() -> None:
+    pairs = [{"w": 300.0, "v": 200.0}, {"w": 200.0, "v": 250.0}, {"w": 240.0, "v": 240.0}, {"w": 100.0}]
+    out = peer_compare.paired_ratios(pairs, "w", "v")
+    expect = [1.5, 0.8, 1.0]
+    assert out["ratios"] == pytest.approx(expect) and out["pairs"] == 4 and out["failed_pairs"] == 1
+    product = 1.0
+    for r in expect:
+        product *= r
+    assert out["geomean"] == pytest.approx(product ** (1 / 3))
+    assert out["median"] == pytest.approx(1.0) and (out["min"], out["max"]) == (0.8, 1.5)
+    assert peer_compare.paired_ratios([{"w": 1.0}], "w", "v") == {"ratios": [], "pairs": 1, "failed_pairs": 1}
+
+
 def test_spec_peers_speedups_identity_and_ratio_from_known_rows() -> None:
     """Each speculative row is divided by its own engine and dtype's plain row, outputs compared
     with that row's; the headline ratio takes Warsha's faster dtype; a failed peer stays an

@@ -58,15 +58,14 @@ inline void load_row<float>(const float* src, int64_t D, float* out) {
 
 template <>
 inline void load_row<uint16_t>(const uint16_t* src, int64_t D, float* out) {
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
-    _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-  }
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, warsha::bf16x8_load(src + d));
 }
 
 inline void store_row(const float* src, int64_t D, float* dst) { std::memcpy(dst, src, sizeof(float) * D); }
 inline void store_row(const float* src, int64_t D, uint16_t* dst) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = float_to_bf16(src[d]);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) warsha::bf16x8_store(dst + d, _mm256_loadu_ps(src + d));
+  for (; d < D; ++d) dst[d] = float_to_bf16(src[d]);
 }
 
 // exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), 2^n

@@ -28,7 +28,9 @@ def _inputs(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, heads, kv_heads, dim", [(1, 8, 2, 64), (3, 4, 4, 32), (70, 6, 2, 256), (1, 1, 1, 2)])
+@pytest.mark.parametrize(
+    "tokens, heads, kv_heads, dim", [(1, 8, 2, 64), (3, 4, 4, 32), (70, 6, 2, 256), (1, 1, 1, 2), (5, 2, 1, 20)]
+)
 def test_rope_and_cache_write_equal_transformers_and_a_loop(
     dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, dim: int
 ) -> None:
@@ -49,6 +51,25 @@ def test_rope_and_cache_write_equal_transformers_and_a_loop(
         for h in range(kv_heads):
             assert torch.equal(k_cache[h, s], k[t, h]) and torch.equal(v_cache[h, s], v_rows[t, h])
     assert bool(k_cache[:, untouched].isnan().all()) and bool(v_cache[:, untouched].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_special_values_round_as_torch_does(dtype: torch.dtype) -> None:
+    """NaN, infinities, values whose products overflow or land on a rounding tie: the vector
+    lanes round (and keep NaN quiet) as torch's separate ops do."""
+    qkv, cos, sin, where = _inputs(9, 2, 1, 64, dtype, 32)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38, -3.0e38, 1.00390625, 0.0, -0.0])
+    flat = qkv.view(-1)
+    flat[: 8 * 40 : 5] = specials.repeat(8).to(dtype)
+    cos.view(-1)[3::17] = torch.tensor(1.5, dtype=dtype)
+    qk, v = qkv.split([3 * 64, 64], dim=-1)
+    q, k, _ = cpu_kernels.rope_write_kv(
+        qk, v, cos, sin, where, torch.zeros(1, 32, 64, dtype=dtype), torch.zeros(1, 32, 64, dtype=dtype), 2
+    )
+    heads_first = qk.reshape(9, 3, 64).transpose(0, 1)[None]
+    q_ref, k_ref = apply_rotary_pos_emb(heads_first[:, :2], heads_first[:, 2:], cos[None], sin[None])
+    torch.testing.assert_close(q, q_ref[0].transpose(0, 1), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(k, k_ref[0].transpose(0, 1), rtol=0, atol=0, equal_nan=True)
 
 
 def test_results_do_not_depend_on_threads() -> None:

@@ -20,6 +20,12 @@
 // from x (row stride K) and two weight tiles per 32 features. Rows past M are zero padding
 // (copied once); outputs are float32 sums rounded once (to bf16, or kept in float32), after the
 // bias. The OS must grant the tile state first (Linux 5.16+: arch_prctl ARCH_REQ_XCOMP_PERM).
+//
+// Large float32 outputs (the LM head's logits: 53 MB at 48 rows of a 278k vocabulary) are written
+// with non-temporal stores: a plain store first reads each line it writes (the write-allocate),
+// and tens of megabytes of logits then push the weight stream and the activations out of cache.
+// Measured on the head at 32-64 rows, 2 threads: 34.9 -> 30.6 ms at 48 rows, 45.0 -> 35.3 at 64.
+// The numbers written are the same; only the path to memory differs.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -47,6 +53,7 @@ constexpr int64_t kTileM = 16;             // activation rows per tile
 constexpr int64_t kTileElems = kTileK * kTileN;
 constexpr int64_t kPrefetchBytes = 8192;   // how far ahead of its use a weight line is requested
 constexpr int64_t kSlabBytes = 512 * 1024;  // activation bytes per slab of rows (a quarter of L2)
+constexpr int64_t kStreamBytes = 4 << 20;   // float32 outputs from this size go around the caches
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -119,8 +126,9 @@ inline __m256i round_bf16x16(__m512 v) {
 }
 
 // Rows [m0, m0 + rows) and 16 or 32 columns from n0 of the output from c, plus the bias, rounded.
+// stream: non-temporal float32 stores (the caller checked that every row start is 64-byte aligned).
 void store_block(const float* c, int64_t rows, int64_t cols, const float* bias, int64_t n0, bool out_bf16, bool round_bf16,
-                 char* out, int64_t ldo, int64_t m0) {
+                 bool stream, char* out, int64_t ldo, int64_t m0) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t q = 0; q < cols; q += 16) {
       __m512 v = _mm512_load_ps(c + r * 32 + q);
@@ -131,7 +139,8 @@ void store_block(const float* c, int64_t rows, int64_t cols, const float* bias, 
       } else {
         float* dst = reinterpret_cast<float*>(out) + (m0 + r) * ldo + n0 + q;
         if (round_bf16) v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
-        _mm512_storeu_ps(dst, v);
+        if (stream) _mm512_stream_ps(dst, v);
+        else _mm512_storeu_ps(dst, v);
       }
     }
   }
@@ -139,7 +148,8 @@ void store_block(const float* c, int64_t rows, int64_t cols, const float* bias, 
 
 // Rows [s0, s1) of the (padded) activations against every weight panel, on all threads.
 void gemm_slab(const uint16_t* a, int64_t M, int64_t s0, int64_t s1, int64_t K, const uint16_t* packed, int64_t kblocks,
-               int64_t nblocks, int64_t npairs, const float* bias, bool out_bf16, bool round_bf16, char* out, int64_t ldo) {
+               int64_t nblocks, int64_t npairs, const float* bias, bool out_bf16, bool round_bf16, bool stream, char* out,
+               int64_t ldo) {
   at::parallel_for(0, npairs, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
     alignas(64) float c[32 * 32];
@@ -157,9 +167,10 @@ void gemm_slab(const uint16_t* a, int64_t M, int64_t s0, int64_t s1, int64_t K, 
         else if (two_n) tile_block<false, true>(am, K, b0, b1, kblocks, pf, c);
         else tile_block<false, false>(am, K, b0, b1, kblocks, pf, c);
         const int64_t rows = std::min<int64_t>(M - m0, two_m ? 2 * kTileM : kTileM);
-        store_block(c, rows, two_n ? 2 * kTileN : kTileN, bias, nb * kTileN, out_bf16, round_bf16, out, ldo, m0);
+        store_block(c, rows, two_n ? 2 * kTileN : kTileN, bias, nb * kTileN, out_bf16, round_bf16, stream, out, ldo, m0);
       }
     }
+    if (stream) _mm_sfence();  // the streamed lines reach memory before another thread reads them
     _tile_release();
   });
 }
@@ -167,12 +178,13 @@ void gemm_slab(const uint16_t* a, int64_t M, int64_t s0, int64_t s1, int64_t K, 
 void run_gemm(const uint16_t* a, int64_t M, int64_t Mp, int64_t K, const uint16_t* packed, int64_t N, const float* bias,
               bool out_bf16, bool round_bf16, char* out, int64_t ldo) {
   const int64_t kblocks = K / kTileK, nblocks = N / kTileN, npairs = (nblocks + 1) / 2;
+  const bool stream = !out_bf16 && M * N * 4 >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0 && ldo % 16 == 0;
   // Rows are taken in slabs whose activations stay in L2 while every weight panel passes by
   // them; past that (2048 rows x 640 features is 2.6 MB) each panel pulled them from L3 again.
   const int64_t slab = std::max<int64_t>(2 * kTileM, kSlabBytes / (2 * K) / (2 * kTileM) * (2 * kTileM));
   for (int64_t s0 = 0; s0 < Mp; s0 += slab) {
     const int64_t s1 = std::min(Mp, s0 + slab);
-    gemm_slab(a, M, s0, s1, K, packed, kblocks, nblocks, npairs, bias, out_bf16, round_bf16, out, ldo);
+    gemm_slab(a, M, s0, s1, K, packed, kblocks, nblocks, npairs, bias, out_bf16, round_bf16, stream, out, ldo);
   }
 }
 

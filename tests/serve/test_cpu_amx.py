@@ -20,6 +20,7 @@ import torch
 from serve import cpu_kernels
 from serve.head import SlicedHead
 from serve.quant import DenseLinear
+from tests.serve.test_cpu_attention import make_case, run_kernel
 
 
 def _amx_here() -> bool:
@@ -101,6 +102,25 @@ def test_float32_out_is_written_in_place_rounded_through_bf16(amx: None) -> None
 
 
 @needs_amx
+def test_large_float32_out_streams_the_same_numbers_aligned_or_not(amx: None) -> None:
+    """Past 4 MiB a float32 output goes around the caches (non-temporal stores) when its rows start
+    on 64-byte lines; a view off the lines takes plain stores. Both hold the same, right, numbers."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(65536, 64, generator=g).bfloat16(), torch.randn(20, 64, generator=g).bfloat16()
+    packed = cpu_kernels.amx_pack(w)
+    aligned = torch.full((20, 65536), float("nan"))
+    assert aligned.data_ptr() % 64 == 0 and aligned.numel() * 4 >= 4 << 20
+    buf = torch.full((20, 65536 + 21), float("nan"))
+    off = buf[:, 3 : 3 + 65536]  # row starts 12 bytes past a line, row stride not a multiple of 16
+    cpu_kernels.amx_linear(x, packed, out=aligned)
+    cpu_kernels.amx_linear(x, packed, out=off)
+    ref, acc = _bounds(x, w)
+    assert bool(((aligned.double() - ref).abs() <= _spacing(ref) + acc).all())
+    assert torch.equal(aligned, off)
+    assert bool(buf[:, :3].isnan().all()) and bool(buf[:, 3 + 65536 :].isnan().all())
+
+
+@needs_amx
 def test_results_do_not_depend_on_thread_count(amx: None) -> None:
     g = torch.Generator().manual_seed(4)
     w, x = torch.randn(160, 256, generator=g).bfloat16(), torch.randn(37, 256, generator=g).bfloat16()
@@ -114,6 +134,21 @@ def test_results_do_not_depend_on_thread_count(amx: None) -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_amx_attends_with_the_avx512_bf16_kernel(dtype: torch.dtype, amx: None) -> None:
+    """The amx variant runs the avx512_bf16 attention, bit for bit, not the AVX2 fallback (the AVX2
+    kernel sums in another order: once amx was sent there and a mixed step attended 1.5x slower)."""
+    q, kc, vc, chunks = make_case(3, 4, 1, 256, 16, dtype)
+    got = run_kernel(q, kc, vc, chunks, 16, 0.0625)
+    runs = {}
+    for name in ("avx512_bf16", "avx2"):
+        with cpu_kernels.use_isa(name):
+            runs[name] = run_kernel(q, kc, vc, chunks, 16, 0.0625)
+    assert torch.equal(got, runs["avx512_bf16"])
+    assert not torch.equal(runs["avx2"], runs["avx512_bf16"])  # the comparison can tell the kernels apart
 
 
 @needs_amx

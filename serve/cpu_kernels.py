@@ -41,9 +41,9 @@ import torch
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPP_FILES = ("gemv.cpp", "amx.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "bindings.cpp")
+CPP_FILES = ("gemv.cpp", "amx.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "act.cpp", "bindings.cpp")
 SOURCES = tuple(CSRC / name for name in CPP_FILES)
-HEADERS = (CSRC / "bf16.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
+HEADERS = (CSRC / "bf16.h", CSRC / "vmath.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
@@ -414,6 +414,12 @@ def rope_write_kv(
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) of float32 CPU logits [rows, vocab] at memory speed (greedy sampling)."""
     return load().argmax_rows(logits)
+
+
+def gated_act_bf16(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up of bf16 rows [T, 2I] holding gate then up, [T, I] bf16, in one call
+    (act: tanh GELU when `gelu`, else SiLU; torch's two roundings, see csrc/act.cpp)."""
+    return load().gated_act_bf16(gate_up, gelu)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ from serve.head import SLICE_ROWS, LogitsBuffer, SlicedHead
 from serve.head_quant import Int8Linear
 from serve.kv_cache import KVCache
 from serve.kv_layout import KVLayout, bind_to, layout_for
-from serve.layers import LayerWeights, Norm, activation, apply_rope, load_layer, rms_norm
+from serve.layers import LayerWeights, Norm, apply_rope, gated_activation, load_layer, rms_norm
 from serve.quant import DenseLinear
 from serve.rope import RotaryEmbedding
 from serve.weights import load_state_dict
@@ -93,7 +93,7 @@ class DecoderModel:
         scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
         self.embed_scale = scale if fam.embed_scale else None
         self.norm = Norm(state["model.norm.weight"], config.rms_norm_eps, fam.norm_plus_one, dtype)
-        self.act = activation(config.activation)
+        self.gated_act = gated_activation(config.activation)
         head = state.get("lm_head.weight")
         if head is None and not config.tie_word_embeddings:
             raise KeyError("checkpoint lacks lm_head.weight and config.json does not tie word embeddings")
@@ -250,8 +250,7 @@ class DecoderModel:
                 q, k, v = self._rope_and_write(qk, v, cos, sin, kv, slot, meta, write_kv)
             o = layer.o(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale).reshape(-1, n_q))
             x = x + (o if layer.attn_out_norm is None else layer.attn_out_norm(o))
-            gate, up = layer.gate_up(layer.pre_mlp_norm(x)).chunk(2, dim=-1)
-            m = layer.down(self.act(gate) * up)
+            m = layer.down(self.gated_act(layer.gate_up(layer.pre_mlp_norm(x))))
             x = x + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
         x = self.norm(x.index_select(0, rows))
         if isinstance(self.head, SlicedHead):

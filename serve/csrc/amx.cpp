@@ -115,16 +115,6 @@ void tile_block(const uint16_t* a, int64_t lda, const uint16_t* b0, const uint16
   if (TwoM && TwoN) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// 16 float32 sums rounded to bf16 as torch rounds (nearest even, NaN kept quiet), bit for bit.
-inline __m256i round_bf16x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // Rows [m0, m0 + rows) and 16 or 32 columns from n0 of the output from c, plus the bias, rounded.
 // stream: non-temporal float32 stores (the caller checked that every row start is 64-byte aligned).
 void store_block(const float* c, int64_t rows, int64_t cols, const float* bias, int64_t n0, bool out_bf16, bool round_bf16,
@@ -135,10 +125,10 @@ void store_block(const float* c, int64_t rows, int64_t cols, const float* bias, 
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + q));
       if (out_bf16) {
         uint16_t* dst = reinterpret_cast<uint16_t*>(out) + (m0 + r) * ldo + n0 + q;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), round_bf16x16(v));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), warsha::bf16x16_bits(v));
       } else {
         float* dst = reinterpret_cast<float*>(out) + (m0 + r) * ldo + n0 + q;
-        if (round_bf16) v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
+        if (round_bf16) v = warsha::bf16x16_round(v);
         if (stream) _mm512_stream_ps(dst, v);
         else _mm512_storeu_ps(dst, v);
       }

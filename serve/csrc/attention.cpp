@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "vmath.h"
 
 std::string current_isa();  // gemv.cpp: the ISA variant chosen at load
 
@@ -66,26 +67,6 @@ inline void store_row(const float* src, int64_t D, uint16_t* dst) {
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) warsha::bf16x8_store(dst + d, _mm256_loadu_ps(src + d));
   for (; d < D; ++d) dst[d] = float_to_bf16(src[d]);
-}
-
-// exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), 2^n
-// through the exponent bits. Relative error about 2e-7; inputs below -87 give 0 (softmax
-// arguments are never positive here).
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 inline float dot(const float* a, const float* b, int64_t D) {
@@ -130,7 +111,7 @@ inline float exp_shift_sum(float* s, int64_t n, float m) {
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    const __m256 e = warsha::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
     _mm256_storeu_ps(s + j, e);
     acc = _mm256_add_ps(acc, e);
   }

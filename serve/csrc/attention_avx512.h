@@ -23,30 +23,8 @@ constexpr int64_t kTile512 = 64;  // keys scored before their softmax update and
 constexpr int kRowBlock = 4;      // query rows sharing one pass over a tile's values
 constexpr int kDVecs = 4;         // 16-float vectors of output features per register block
 
-inline __m512 widen16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return widen16(p); }
-
-// exp(x) for 16 floats: the AVX2 kernel's exp8 with 512-bit vectors (same constants and error).
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero), p, _mm512_castsi512_ps(e));
-}
+inline __m512 load16(const uint16_t* p) { return warsha::bf16x16_load(p); }
 
 // Four float32 sums of 16 lanes each, as [sum a, sum b, sum c, sum d].
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -90,13 +68,13 @@ inline float exp_shift_sum16(float* s, int64_t n, float m) {
   __m512 acc = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    const __m512 e = warsha::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
     _mm512_storeu_ps(s + j, e);
     acc = _mm512_add_ps(acc, e);
   }
   if (j < n) {
     const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv)));
+    const __m512 e = _mm512_maskz_mov_ps(tail, warsha::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), mv)));
     _mm512_mask_storeu_ps(s + j, tail, e);
     acc = _mm512_add_ps(acc, e);
   }

@@ -1,6 +1,7 @@
 // bf16 <-> float32 for serve's CPU kernels, bit-exact with torch's conversions (a 16-bit shift
 // one way, round to nearest even the other), shared so every kernel rounds the same way: one
-// value at a time, and eight at a time on AVX2 (the baseline every variant builds with).
+// value at a time, eight at a time on AVX2 (the baseline every variant builds with), sixteen on
+// AVX-512 (callable from code built for the AVX-512 variants only).
 #pragma once
 
 #include <immintrin.h>
@@ -49,5 +50,32 @@ inline void bf16x8_store(uint16_t* p, __m256 v) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+// Sixteen bf16 values widened to float32.
+inline __m512 bf16x16_load(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// float_to_bf16 of sixteen values, packed.
+inline __m256i bf16x16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// Sixteen values rounded to bf16 and widened back.
+inline __m512 bf16x16_round(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_bits(v)), 16));
+}
+
+#pragma GCC pop_options
 
 }  // namespace warsha

@@ -20,6 +20,7 @@ torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packe
 void set_isa(const std::string& name);
 std::string current_isa();
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+torch::Tensor gated_act_bf16(const torch::Tensor& gate_up, bool gelu);
 torch::Tensor rms_norm_bf16_scaled(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, const torch::Tensor& q_starts,
@@ -44,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("current_isa", &current_isa, "the ISA variant the matrix products run");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
   m.def("rms_norm_bf16_scaled", &rms_norm_bf16_scaled, "RMSNorm of bf16 rows times a float32 weight, rounded once (Gemma's 1 + w)");
+  m.def("gated_act_bf16", &gated_act_bf16, "act(gate) * up of bf16 rows [T, 2I] holding gate then up; SiLU or tanh GELU");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or first NaN), as torch.argmax(-1)");
   m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache ");
 }

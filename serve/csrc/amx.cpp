@@ -241,8 +241,9 @@ void amx_linear_bf16_out(const torch::Tensor& x_in, const torch::Tensor& packed,
   const int64_t Mp = (M + kTileM - 1) / kTileM * kTileM;
   torch::Tensor x = x_in.contiguous();
   if (Mp != M) {  // zero rows up to the tile height: the tiles read whole 16-row blocks
-    torch::Tensor padded = torch::zeros({Mp, K}, x.options());
+    torch::Tensor padded = torch::empty({Mp, K}, x.options());
     padded.narrow(0, 0, M).copy_(x);
+    padded.narrow(0, M, Mp - M).zero_();  // only the padding (a full zero fill cost a pass over x)
     x = padded;
   }
   run_gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, Mp, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), N,

@@ -103,6 +103,17 @@ def test_special_values_and_strided_rows(name: str) -> None:
     assert bool((got[gate.float() == float("inf")] == up[gate.float() == float("inf")].float() * float("inf")).all())
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_model_takes_the_kernel_where_it_wins(name: str, isa: str) -> None:
+    """GELU always, SiLU under the AVX-512 variants; SiLU under avx2 stays torch's (as fast there)."""
+    gate_up = _rows(5, 64, 11)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = gated_activation(name)(gate_up)
+    kernel = name != "silu" or isa != "avx2"
+    want = cpu_kernels.gated_act_bf16(gate_up, name != "silu") if kernel else activation(name)(gate) * up
+    assert torch.equal(got, want)
+
+
 def test_other_dtypes_and_devices_run_torch() -> None:
     gate_up = torch.randn(3, 16)
     gate, up = gate_up.chunk(2, dim=-1)

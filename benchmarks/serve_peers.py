@@ -276,7 +276,7 @@ def mixed_pairs(model_dir: Path, reqs: list[tuple[list[int], int]], args: argpar
                 pair["vllm_error"] = v.get("error", "no mixed job in vLLM's output")[-500:]
         pairs.append(pair)
         print(f"mixed pair {len(pairs)}/{args.mixed_pairs} {order}: {pair}", flush=True)
-    return {"pairs": pairs, **paired_ratios(pairs, "warsha", "vllm")}
+    return {"runs": pairs, **paired_ratios(pairs, "warsha", "vllm")}
 
 
 def mixed_results(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -172,6 +173,34 @@ def test_paired_ratios_against_a_loop_and_a_failed_pair() -> None:
     assert out["geomean"] == pytest.approx(product ** (1 / 3))
     assert out["median"] == pytest.approx(1.0) and (out["min"], out["max"]) == (0.8, 1.5)
     assert peer_compare.paired_ratios([{"w": 1.0}], "w", "v") == {"ratios": [], "pairs": 1, "failed_pairs": 1}
+
+
+def test_mixed_pairs_alternate_engines_and_keep_each_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve_peers' pairs: ABBA order as run, every pair's figures kept beside the summary, and a
+    failed vLLM run left out of the ratios with its error."""
+    from benchmarks import serve_peers
+
+    ran: list[str] = []
+    rates = iter([200.0, 250.0, 240.0, 200.0, 210.0])
+
+    def fake_warsha(*_args: object, **_kw: object) -> dict:
+        ran.append("warsha")
+        return {"tok_per_s": next(rates)}
+
+    def fake_vllm(*_args: object, **_kw: object) -> dict:
+        ran.append("vllm")
+        if len(ran) == 6:
+            return {"error": "vllm_runner.py exited 1"}
+        return {"jobs": {"mixed": {"tok_per_s": next(rates)}}}
+
+    monkeypatch.setattr(serve_peers, "warsha_run", fake_warsha)
+    monkeypatch.setattr(serve_peers, "run_vllm", fake_vllm)
+    args = SimpleNamespace(mixed_pairs=3)
+    out = serve_peers.mixed_pairs(Path("m"), [([1, 2], 3)], args)  # type: ignore[arg-type]
+    assert ran == ["warsha", "vllm", "vllm", "warsha", "warsha", "vllm"]
+    assert [p["order"] for p in out["runs"]] == [["warsha", "vllm"], ["vllm", "warsha"], ["warsha", "vllm"]]
+    assert out["ratios"] == pytest.approx([200 / 250, 200 / 240]) and out["failed_pairs"] == 1
+    assert out["runs"][2]["vllm"] is None and "exited 1" in out["runs"][2]["vllm_error"]
 
 
 def test_spec_peers_speedups_identity_and_ratio_from_known_rows() -> None:

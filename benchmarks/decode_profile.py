@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     name = str(args.model) if args.model else args.preset
     d = args.model or sb.build_random_model(args.workdir / args.preset, args.preset)
     results: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": args.threads, "preset": name, "runs": {}}
-    results["isa"] = sm.cpu_kernels.isa()
-    print(f"serve CPU kernels: {results['isa']} variant")
+    results["isa"], results["row_order"] = sm.cpu_kernels.isa(), sm.cpu_kernels.row_order()
+    print(f"serve CPU kernels: {results['isa']} variant, one-row products {results['row_order']}")
     if args.mixed:
         results["runs"]["mixed bf16"] = r = profile_mixed(d, args, bw, dtype="bfloat16", head_quant=args.head_quant)
         print_profile(f"{name} bf16, {args.mixed} mixed requests ({r['tokens']} tokens, {r['wall_s']:.1f} s)", r)

@@ -299,7 +299,7 @@ def _f(x: Any, spec: str = ".3g") -> str:
 def print_report(results: dict[str, Any]) -> None:
     print(
         f"\nread bandwidth {results['bandwidth_gb_s']:.1f} GB/s at {results['threads']} threads; load {results['load']}"
-        f"; serve's kernels: {results.get('isa', '?')}"
+        f"; serve's kernels: {results.get('isa', '?')}, one-row products {results.get('row_order', '?')}"
     )
     for model, res in results["models"].items():
         rounds = results.get("rounds", 1)
@@ -419,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "load": os.getloadavg(),
         "torch": torch.__version__,
         "isa": sb.cpu_kernels.isa(),  # serve's kernel variant (WARSHA_CPU_ISA forces one)
+        "row_order": sb.cpu_kernels.row_order(),  # how its one-row products walk the weights
         "yarn_model": str(args.yarn_dir) if "yarn" in models else f"absent ({args.yarn_dir})",
         "models": {},
     }

@@ -156,17 +156,35 @@ def amx_linear(
 
 
 @contextlib.contextmanager
-def use_isa(name: str) -> Iterator[None]:
-    """Run the kernels' `name` variant inside the block (tests and benchmarks compare variants)."""
+def _switched(current: str, choose: str, value: str) -> Iterator[None]:
+    """Inside the block the library's setting runs `value` (lib.<choose>); lib.<current> is restored after."""
     lib = load()
     if lib is None:
         raise RuntimeError("serve's CPU kernels are not available here")
-    before = lib.current_isa()
-    lib.set_isa(name)
+    before = getattr(lib, current)()
+    getattr(lib, choose)(value)
     try:
         yield
     finally:
-        lib.set_isa(before)
+        getattr(lib, choose)(before)
+
+
+def use_isa(name: str) -> contextlib.AbstractContextManager[None]:
+    """Run the kernels' `name` variant inside the block (tests and benchmarks compare variants)."""
+    return _switched("current_isa", "set_isa", name)
+
+
+def row_order() -> str:
+    """How one-row products walk the weights: "stream" (row after row; AMD and other non-Intel
+    CPUs) or "interleave" (groups of rows block by block; Intel); "none" without the kernels.
+    Both give the same bits (csrc/gemv.cpp, g_stream_rows)."""
+    lib = load()
+    return lib.row_order() if lib is not None else "none"
+
+
+def use_row_order(order: str) -> contextlib.AbstractContextManager[None]:
+    """One-row products walk the weights in `order` ("stream" or "interleave") inside the block."""
+    return _switched("row_order", "set_row_order", order)
 
 
 @functools.lru_cache(maxsize=1)
@@ -461,7 +479,10 @@ def main() -> int:
     """`python -m serve.cpu_kernels`: build (or find) the kernels and say which path serve uses."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if available():
-        print(f"serve CPU kernels: built, in use; ISA variant {isa()} (this CPU runs {', '.join(supported_isas())})")
+        print(
+            f"serve CPU kernels: built, in use; ISA variant {isa()} (this CPU runs {', '.join(supported_isas())}); "
+            f"one-row products {row_order()}"
+        )
     else:
         print("serve CPU kernels: not available; torch's kernels are used")
     return 0

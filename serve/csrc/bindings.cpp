@@ -19,6 +19,8 @@ void amx_linear_bf16_out(const torch::Tensor& x, const torch::Tensor& packed, co
 torch::Tensor amx_linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias);
 void set_isa(const std::string& name);
 std::string current_isa();
+void set_row_order(const std::string& order);
+std::string row_order();
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor gated_act_bf16(const torch::Tensor& gate_up, bool gelu);
 torch::Tensor rms_norm_bf16_scaled(const torch::Tensor& x, const torch::Tensor& w, double eps);
@@ -43,6 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_bf16_out", &amx_linear_bf16_out, "out = x @ W.T (+ bias) on AMX tiles, into a bf16 or float32 out");
   m.def("amx_linear_bf16", &amx_linear_bf16, "x @ W.T (+ bias) on AMX tiles, bf16 out, one rounding");
   m.def("current_isa", &current_isa, "the ISA variant the matrix products run");
+  m.def("set_row_order", &set_row_order, "one-row products: 'stream' (row after row) or 'interleave' (row groups); '' = the CPU's default");
+  m.def("row_order", &row_order, "how one-row products walk the weights: 'stream' or 'interleave'");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
   m.def("rms_norm_bf16_scaled", &rms_norm_bf16_scaled, "RMSNorm of bf16 rows times a float32 weight, rounded once (Gemma's 1 + w)");
   m.def("gated_act_bf16", &gated_act_bf16, "act(gate) * up of bf16 rows [T, 2I] holding gate then up; SiLU or tanh GELU");

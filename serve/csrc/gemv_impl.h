@@ -218,7 +218,7 @@ template <typename Weights>
 void dispatch_rows(int rows, const Weights& W, const float* x, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
   switch (rows) {
     case 1:
-      if (feature_chunk(1, K) == K) return row_group_kernel<kRowGroup, 4>(W, x, K, n0, n1, y);
+      if (feature_chunk(1, K) == K && !g_stream_rows) return row_group_kernel<kRowGroup, 4>(W, x, K, n0, n1, y);
       return rows_kernel<1, 4>(W, x, K, N, n0, n1, y);
     case 2: return rows_kernel<2, 4>(W, x, K, N, n0, n1, y);
     case 3: return rows_kernel<3, 2>(W, x, K, N, n0, n1, y);
@@ -409,7 +409,7 @@ torch::Tensor gemv_bf16_dot(const torch::Tensor& x_in, const torch::Tensor& w, a
     const uint16_t* xr = x + m0 * K;
     float* yp = y.data() + m0 * N;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      if (rows == 1 && feature_chunk(1, K) == K) return dot_bf16_row1<kRow1Group>(wp, xr, K, n0, n1, yp);
+      if (rows == 1 && feature_chunk(1, K) == K && !g_stream_rows) return dot_bf16_row1<kRow1Group>(wp, xr, K, n0, n1, yp);
       by_rows(rows, [&](auto R) { dot_bf16_kernel<decltype(R)::value>(wp, xr, K, N, n0, n1, yp); });
     });
   }

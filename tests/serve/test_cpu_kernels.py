@@ -307,6 +307,37 @@ def test_int8_weight_kernel_matches_float64(isa: str) -> None:
     assert bool(((got - ref).abs() <= 2 * accumulation + 1e-30).all())
 
 
+@pytest.mark.parametrize("n, k", [(301, 640), (77, 200), (64, 37), (1029, 2048)])
+def test_one_row_products_give_the_same_bits_in_either_row_order(n: int, k: int, isa: str) -> None:
+    """A decode row walks the weights row after row ("stream", AMD) or in interleaved row groups
+    ("interleave", Intel): both are float32 accumulation of the exact products (float64
+    reference) and agree bit for bit, for bf16, float32 and int8 weights, N past the group size."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).bfloat16()
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) * 0.01 + 1e-3
+    x = torch.randn(1, k).bfloat16()
+    wq = q.double() * scale.double()[:, None]
+    got: dict[str, list[torch.Tensor]] = {}
+    for order in ("stream", "interleave"):
+        with cpu_kernels.use_row_order(order):
+            assert cpu_kernels.row_order() == order
+            got[order] = [
+                cpu_kernels.gemv_bf16(x, w, torch.float32),
+                cpu_kernels.gemv_bf16(x.float(), w, torch.float32),
+                cpu_kernels.gemv_f32(x.float(), w.float(), torch.float32),
+                cpu_kernels.gemv_int8(x.float(), q, scale, torch.float32),
+            ]
+    refs = [x.double() @ w.double().T] * 3 + [x.double() @ wq.T]
+    bounds = [k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)] * 3
+    bounds.append(2 * k * 2.0**-23 * (x.double().abs() @ wq.abs().T))
+    for stream, interleave, ref, bound in zip(got["stream"], got["interleave"], refs, bounds):
+        assert torch.equal(stream, interleave)
+        assert bool(((stream.double() - ref).abs() <= bound + 1e-30).all())
+    with pytest.raises(RuntimeError, match="row order must be"):
+        cpu_kernels.load().set_row_order("diagonal")
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
     import time
 

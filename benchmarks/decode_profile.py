@@ -107,6 +107,9 @@ def _read_bytes(lin: Any) -> int:
     """Bytes of the tensors a decode row reads from one linear (the bf16 weight, or the int4 parts)."""
     if hasattr(lin, "weight") and isinstance(lin.weight, torch.Tensor):
         return lin.weight.numel() * lin.weight.element_size()
+    packed = getattr(lin, "avx2", None)  # an int4 linear on serve's kernels: their layout's tensors
+    if packed is not None:
+        return sum(t.numel() * t.element_size() for t in (packed.q, packed.scales, packed.zeros))
     seen, total = set(), 0
     for v in vars(lin).values():
         for t in v if isinstance(v, list | tuple) else [v]:

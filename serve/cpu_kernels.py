@@ -358,6 +358,13 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = to
     return load().gemv_bf16(x, weight, out_dtype)
 
 
+def gemv_bf16_out(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, round_bf16: bool = True) -> torch.Tensor:
+    """`gemv_bf16` into a float32 `out` [M, N] the caller owns (the logits buffer), rounded
+    through bf16 when `round_bf16`: the numbers of gemv_bf16 to bf16 then `.float()`, in one pass."""
+    load().gemv_bf16_out(x, weight, out, round_bf16)
+    return out
+
+
 def gemv_f32(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] (any float dtype) @ weight.T for a contiguous float32 weight [N, K]."""
     return load().gemv_f32(x, weight, out_dtype)

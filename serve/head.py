@@ -10,9 +10,12 @@ buffer the engine keeps from step to step. The numbers are those of one GEMM ove
 rounded to bf16 and widened, as before: a slice only cuts the output columns, never the reduction.
 
 Decode-sized batches (up to the bf16 kernel's row limit) take serve's kernel over the whole
-head, as `DenseLinear` does. Where serve's kernels run their amx variant, larger batches take
-its AMX tile GEMM over the whole head instead of the slices, writing the same numbers (float32
-sums rounded once to bf16, widened) straight into the buffer: no slice outputs, no copies.
+head, as `DenseLinear` does, with its float32 sums rounded through bf16 in place in the buffer
+(`cpu_kernels.gemv_bf16_out`): a bf16 result, a widened copy and a copy into the buffer cost
+about 0.3 ms of a 20 ms decode step on Gemma 3's 262k-row head. Where serve's kernels run
+their amx variant, larger batches take its AMX tile GEMM over the whole head instead of the
+slices, writing the same numbers (float32 sums rounded once to bf16, widened) straight into the
+buffer: no slice outputs, no copies.
 """
 
 from __future__ import annotations
@@ -58,10 +61,9 @@ class SlicedHead:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [rows, V] of bf16 rows x [rows, H], written into `out` when given."""
         rows = x.shape[0]
-        if rows <= self.whole.kernel_max_rows:
-            y = self.whole(x).float()
-            return y if out is None else out.copy_(y)
         out = torch.empty(rows, self.out_features) if out is None else out
+        if rows <= self.whole.kernel_max_rows:  # decode rows: serve's kernel straight into `out`
+            return cpu_kernels.gemv_bf16_out(x.reshape(rows, self.in_features), self.whole.weight, out)
         if self.amx is not None:
             return cpu_kernels.amx_linear(x, self.amx, out=out)
         for (a, b), part in zip(self.bounds, self.slices):

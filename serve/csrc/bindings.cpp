@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype);
+void gemv_bf16_out(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor out, bool round_bf16);
 torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype);
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
                         int64_t group, at::ScalarType out_dtype);
@@ -33,6 +34,7 @@ std::vector<torch::Tensor> rope_write_kv(const torch::Tensor& qk, const torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation ");
+  m.def("gemv_bf16_out", &gemv_bf16_out, "x @ w.T for a bf16 weight into a float32 out, rounded through bf16 if asked");
   m.def("gemv_f32", &gemv_f32, "y = x @ w.T for a float32 weight read in place ");
   m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations ");
   m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features ");

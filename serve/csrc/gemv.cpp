@@ -95,32 +95,56 @@ struct FloatRows {
   }
 };
 
-// A float32 result buffer written out as `out_dtype` (bf16 rounded here, once).
-torch::Tensor emit(const std::vector<float>& y, int64_t M, int64_t N, at::ScalarType out_dtype) {
-  if (out_dtype == torch::kBFloat16) {
-    torch::Tensor out = torch::empty({M, N}, torch::kBFloat16);
-    uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-    for (int64_t i = 0; i < M * N; ++i) o[i] = float_to_bf16(y[i]);
-    return out;
-  }
-  torch::Tensor out = torch::empty({M, N}, torch::kFloat32);
-  std::memcpy(out.data_ptr<float>(), y.data(), sizeof(float) * M * N);
-  return out_dtype == torch::kFloat32 ? out : out.to(out_dtype);
+// The float32 sums of a product, allocated without a fill: every kernel assigns each element it
+// owns (a fill was a pass over 1 MB per decode step on a 262k-row head). It is the result itself
+// when the caller asks for float32.
+torch::Tensor sums_buffer(int64_t M, int64_t N) { return torch::empty({M, N}, torch::kFloat32); }
+
+// The float32 sums as `out_dtype` (bf16 rounded here, once).
+torch::Tensor emit(const torch::Tensor& y, at::ScalarType out_dtype) {
+  if (out_dtype == torch::kFloat32) return y;
+  if (out_dtype != torch::kBFloat16) return y.to(out_dtype);
+  torch::Tensor out = torch::empty(y.sizes(), torch::kBFloat16);
+  const float* s = y.data_ptr<float>();
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t i = 0; i < y.numel(); ++i) o[i] = float_to_bf16(s[i]);
+  return out;
 }
 
-// Runs W over x [M, K] in chunks of up to kMaxRows rows, outputs split across torch's threads.
+// Each float32 value of y [n] rounded to bf16 and widened back, in place: the numbers a bf16
+// product widened afterwards gives, without the bf16 copy and the widening pass.
+void round_through_bf16(float* y, int64_t n) {
+  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = bf16_to_float(float_to_bf16(y[i]));
+  });
+}
+
+// The float32 [M, N] output a caller hands in (the engine's logits buffer), checked.
+float* out_rows(const torch::Tensor& out, int64_t M, int64_t N) {
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
+                  out.size(1) == N,
+              "out must be a contiguous float32 [", M, ", ", N, "] tensor, got ", out.scalar_type(), " ", out.sizes());
+  return out.data_ptr<float>();
+}
+
+// Runs W over x [M, K] in chunks of up to kMaxRows rows into y [M, N], outputs split across torch's threads.
 template <typename Dispatch>
-torch::Tensor run(const Dispatch& dispatch, const torch::Tensor& x_in, int64_t N, at::ScalarType out_dtype) {
+void run_into(const Dispatch& dispatch, const torch::Tensor& x_in, int64_t N, float* y) {
   const FloatRows x(x_in);
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  std::vector<float> y(M * N);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      dispatch(rows, x.data + m0 * K, K, N, n0, n1, y.data() + m0 * N);
+      dispatch(rows, x.data + m0 * K, K, N, n0, n1, y + m0 * N);
     });
   }
-  return emit(y, M, N, out_dtype);
+}
+
+template <typename Dispatch>
+torch::Tensor run(const Dispatch& dispatch, const torch::Tensor& x_in, int64_t N, at::ScalarType out_dtype) {
+  torch::Tensor y = sums_buffer(x_in.size(0), N);
+  run_into(dispatch, x_in, N, y.data_ptr<float>());
+  return emit(y, out_dtype);
 }
 
 // ---- int4 weights x int8 activations (dynamic, quantized per 32 input features of each row).
@@ -222,6 +246,32 @@ PairRows pair_rows(const QuantRows& xq, int R, int64_t K) {
       std::memcpy(dst + 32, src + 16, 16);
       std::memcpy(dst + 48, src + 48, 16);
       for (int l = 0; l < 16; ++l) out.m16[(r * pairs + p) * 16 + l] = xq.mult[r * blocks + 2 * p + l / 8];
+    }
+  }
+  return out;
+}
+
+// ---- four blocks per step (K and the group multiples of 128; 512-bit VNNI variants only).
+// The activations of each 128 features in the order one 64-byte weight load unpacks to: the low
+// nibbles (features 0-15 of blocks 0-3) then the high ones (16-31 of blocks 0-3); the
+// multipliers as int16 pairs (m_b, 0) per int32 lane, lanes 4b..4b+3 for block b.
+struct QuadRows {
+  std::vector<int8_t> q;     // [R, K]: per 128 features, x[0:16] x[32:48] x[64:80] x[96:112] x[16:32] ... x[112:128]
+  std::vector<int16_t> m32;  // [R, K/128, 32]
+};
+
+QuadRows quad_rows(const QuantRows& xq, int R, int64_t K) {
+  const int64_t blocks = K / kBlock, steps = K / (4 * kBlock);
+  QuadRows out{std::vector<int8_t>(R * K), std::vector<int16_t>(R * steps * 32, 0)};
+  for (int r = 0; r < R; ++r) {
+    for (int64_t s = 0; s < steps; ++s) {
+      const int8_t* src = xq.q.data() + r * K + s * 128;
+      int8_t* dst = out.q.data() + r * K + s * 128;
+      for (int b = 0; b < 4; ++b) {
+        std::memcpy(dst + 16 * b, src + 32 * b, 16);
+        std::memcpy(dst + 64 + 16 * b, src + 32 * b + 16, 16);
+      }
+      for (int l = 0; l < 16; ++l) out.m32[(r * steps + s) * 32 + 2 * l] = xq.mult[r * blocks + 4 * s + l / 4];
     }
   }
   return out;
@@ -370,6 +420,10 @@ std::string current_isa() {
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {
   WARSHA_DISPATCH(gemv_bf16, x, w, out_dtype)
+}
+
+void gemv_bf16_out(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor out, bool round_bf16) {
+  WARSHA_DISPATCH(gemv_bf16_out, x, w, out, round_bf16)
 }
 
 torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {

@@ -246,9 +246,20 @@ inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+// The vectors a w4a8 step accumulates in: int32 group sums, then float32 row sums (256-bit).
+struct Acc256 {
+  using IVec = __m256i;
+  using FVec = __m256;
+  static inline IVec izero() { return _mm256_setzero_si256(); }
+  static inline FVec fzero() { return _mm256_setzero_ps(); }
+  static inline FVec scale_add(IVec gi, float s, FVec acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi), _mm256_set1_ps(s), acc); }
+  static inline float sum(FVec v) { return hsum(v); }
+};
+
 // One 32-weight block per step (group 32, or K not a multiple of 64): integer dot products of
 // an output row's block against R quantized rows, times m_b, into int32 group sums.
 struct BlockStep {
+  using Acc = Acc256;
   static constexpr int64_t kWidth = kBlock;
   const QuantRows& xq;
   int64_t K;
@@ -268,6 +279,7 @@ struct BlockStep {
 
 // One load, three ops to unpack, two maddubs and one madd (VNNI: vpdpwssd) per 64 weights.
 struct PairStep {
+  using Acc = Acc256;
   static constexpr int64_t kWidth = 2 * kBlock;
   const PairRows& xp;
   int64_t K;
@@ -288,6 +300,47 @@ struct PairStep {
   }
 };
 
+#if WARSHA_VEC == 512 && WARSHA_VNNI
+// ---- four blocks per step with 512-bit VNNI (K and the group multiples of 128).
+// Why: the 256-bit pair step spends seven vector ops per 32 bytes of weights and reached only
+// 23-30 GB/s on a 2-core Zen 4 VM whose bf16 kernels read at 45-47 (isa_gemv). One 64-byte load
+// holds four blocks: one mask gives the low nibbles of all four (features 0-15 of each), one shift
+// and mask the high nibbles (16-31), and vpdpbusd adds four u8 x s8 products into each int32 lane,
+// so lanes 4b..4b+3 hold block b's partial sums. Two vpdpbusd (low, high) leave at most
+// 8 * 15 * 127 = 15240 in a lane, which fits the lane's low 16 bits; vpdpwssd by (m_b, 0) per
+// lane then multiplies by the block's multiplier and adds into the group sum: three ops per row
+// per 128 weights. The integer sums are the pair step's exactly.
+struct Acc512 {
+  using IVec = __m512i;
+  using FVec = __m512;
+  static inline IVec izero() { return _mm512_setzero_si512(); }
+  static inline FVec fzero() { return _mm512_setzero_ps(); }
+  static inline FVec scale_add(IVec gi, float s, FVec acc) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(gi), _mm512_set1_ps(s), acc); }
+  static inline float sum(FVec v) { return _mm512_reduce_add_ps(v); }
+};
+
+struct QuadStep {
+  using Acc = Acc512;
+  static constexpr int64_t kWidth = 4 * kBlock;
+  const QuadRows& x4;
+  int64_t K;
+  template <int R>
+  inline void apply(const uint8_t* qn, int64_t s, __m512i* acc) const {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512(qn + s * 2 * kBlock);
+    const __m512i lo = _mm512_and_si512(v, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    const int64_t steps = K / kWidth;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = x4.q.data() + r * K + s * kWidth;
+      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+      d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(x + 64));
+      acc[r] = _mm512_dpwssd_epi32(acc[r], d, _mm512_loadu_si512(x4.m32.data() + (r * steps + s) * 32));
+    }
+  }
+};
+#endif
+
 // Per weight group: the steps' integer sums (exact), converted once and scaled by the group's
 // weight scale into a float accumulator (indexing two by the group's parity kept them on the
 // stack: a store and reload per group); the row scale S multiplies the total
@@ -299,8 +352,9 @@ void w4a8_kernel(const Step& step, const QuantRows& xq, const uint8_t* q, const 
                  int64_t group, int64_t N, int64_t n0, int64_t n1, float* y) {
   const int64_t groups = K / group, per_group = PER > 0 ? PER : group / Step::kWidth;
   for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R];  // one accumulator: a group's integer work hides the FMA's latency
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    using Acc = typename Step::Acc;
+    typename Acc::FVec acc[R];  // one accumulator: a group's integer work hides the FMA's latency
+    for (int r = 0; r < R; ++r) acc[r] = Acc::fzero();
     const uint8_t* qn = q + n * (K / 2);
     if (R >= 2 && n + 1 < N) {  // the next output's weights, as rows_kernel does
       for (int64_t off = 0; off < K / 2; off += 64) _mm_prefetch(reinterpret_cast<const char*>(qn + K / 2 + off), _MM_HINT_T0);
@@ -310,14 +364,14 @@ void w4a8_kernel(const Step& step, const QuantRows& xq, const uint8_t* q, const 
         const char* at = reinterpret_cast<const char*>(qn + g * (group / 2)) + kPrefetchAhead;
         for (int64_t off = 0; off < group / 2; off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
       }
-      __m256i gi[R];
-      for (int r = 0; r < R; ++r) gi[r] = _mm256_setzero_si256();
+      typename Acc::IVec gi[R];
+      for (int r = 0; r < R; ++r) gi[r] = Acc::izero();
       for (int64_t u = g * per_group; u < (g + 1) * per_group; ++u) step.template apply<R>(qn, u, gi);
-      const __m256 s = _mm256_set1_ps(scales[n * groups + g]);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gi[r]), s, acc[r]);
+      const float s = scales[n * groups + g];
+      for (int r = 0; r < R; ++r) acc[r] = Acc::scale_add(gi[r], s, acc[r]);
     }
     for (int r = 0; r < R; ++r)
-      y[r * N + n] = xq.row_scale[r] * hsum(acc[r]) + zero_term(zeros + n * groups, xq.gsum.data() + r * groups, groups);
+      y[r * N + n] = xq.row_scale[r] * Acc::sum(acc[r]) + zero_term(zeros + n * groups, xq.gsum.data() + r * groups, groups);
   }
 }
 
@@ -398,38 +452,51 @@ void dot_bf16_row1(const uint16_t* w, const uint16_t* x, int64_t K, int64_t n0, 
 }
 
 // x [M, K] bf16 (contiguous) @ w.T, in chunks of up to kMaxRows rows, outputs split across threads.
-torch::Tensor gemv_bf16_dot(const torch::Tensor& x_in, const torch::Tensor& w, at::ScalarType out_dtype) {
+void gemv_bf16_dot(const torch::Tensor& x_in, const torch::Tensor& w, float* y) {
   const torch::Tensor xc = x_in.contiguous();
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
-  std::vector<float> y(M * N);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
     const uint16_t* xr = x + m0 * K;
-    float* yp = y.data() + m0 * N;
+    float* yp = y + m0 * N;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
       if (rows == 1 && feature_chunk(1, K) == K && !g_stream_rows) return dot_bf16_row1<kRow1Group>(wp, xr, K, n0, n1, yp);
       by_rows(rows, [&](auto R) { dot_bf16_kernel<decltype(R)::value>(wp, xr, K, N, n0, n1, yp); });
     });
   }
-  return emit(y, M, N, out_dtype);
 }
 #endif
 
 // ---- the entry points of this variant (gemv.cpp dispatches to them)
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {
+// x [M, K] @ w^T into the float32 sums y [M, N].
+void gemv_bf16_into(const torch::Tensor& x, const torch::Tensor& w, float* y) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w must be a contiguous bf16 [N, K] tensor");
   check_x(x, w.size(1));
 #if WARSHA_BF16DOT
-  if (x.scalar_type() == torch::kBFloat16) return gemv_bf16_dot(x, w, out_dtype);
+  if (x.scalar_type() == torch::kBFloat16) return gemv_bf16_dot(x, w, y);
 #endif
   const Bf16Rows W{reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(1)};
   const auto dispatch = [&W](int rows, const float* xr, int64_t K, int64_t N, int64_t n0, int64_t n1, float* y) {
     dispatch_rows(rows, W, xr, K, N, n0, n1, y);
   };
-  return run(dispatch, x, w.size(0), out_dtype);
+  run_into(dispatch, x, w.size(0), y);
+}
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType out_dtype) {
+  torch::Tensor y = sums_buffer(x.size(0), w.size(0));
+  gemv_bf16_into(x, w, y.data_ptr<float>());
+  return emit(y, out_dtype);
+}
+
+// The sums straight into the caller's float32 `out` (the logits buffer of a decode step), rounded
+// through bf16 when asked: what gemv_bf16 to bf16 and a widening copy give, in one pass.
+void gemv_bf16_out(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor out, bool round_bf16) {
+  float* y = out_rows(out, x.size(0), w.size(0));
+  gemv_bf16_into(x, w, y);
+  if (round_bf16) round_through_bf16(y, out.numel());
 }
 
 // The float32 weight read in place: at one to a few rows oneDNN's prepacked kernel pays a fixed
@@ -481,14 +548,15 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x_in, const torch::Tensor& q, co
   check_x(x_in, K);
   const FloatRows x(x_in);
   const int64_t M = x_in.size(0);
-  std::vector<float> y(M * N);
+  torch::Tensor sums = sums_buffer(M, N);
+  float* y = sums.data_ptr<float>();
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
     const QuantRows xq = quantize_rows(x.data + m0 * K, rows, K, group);
-    float* yp = y.data() + m0 * N;
+    float* yp = y + m0 * N;
     const auto run_step = [&](const auto& step) {
       at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
         by_rows(rows, [&](auto R) {
@@ -503,6 +571,13 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x_in, const torch::Tensor& q, co
         });
       });
     };
+#if WARSHA_VEC == 512 && WARSHA_VNNI
+    if (K % QuadStep::kWidth == 0 && group % QuadStep::kWidth == 0) {
+      const QuadRows x4 = quad_rows(xq, rows, K);
+      run_step(QuadStep{x4, K});
+      continue;
+    }
+#endif
     if (K % PairStep::kWidth == 0 && group >= PairStep::kWidth) {
       const PairRows xp = pair_rows(xq, rows, K);
       run_step(PairStep{xp, K});
@@ -510,5 +585,5 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x_in, const torch::Tensor& q, co
       run_step(BlockStep{xq, K});
     }
   }
-  return emit(y, M, N, out_dtype);
+  return emit(sums, out_dtype);
 }

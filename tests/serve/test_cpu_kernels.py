@@ -117,6 +117,16 @@ def test_bf16_kernel_is_float32_accumulation_of_bf16_values(rows: int, n: int, k
         assert bool(((got_f.double() - ref).abs() <= accumulation + 1e-30).all())
     else:
         assert torch.equal(got_f, got32.float())
+    out = torch.full((rows, n), float("nan"))  # into the caller's float32 buffer: the same numbers
+    assert cpu_kernels.gemv_bf16_out(x, w, out) is out and torch.equal(out, got.float())
+    assert torch.equal(cpu_kernels.gemv_bf16_out(x, w, out, round_bf16=False), got32.float())
+
+
+def test_bf16_kernel_into_a_buffer_names_a_wrong_buffer() -> None:
+    w, x = torch.randn(64, 32).bfloat16(), torch.randn(2, 32).bfloat16()
+    for bad in (torch.empty(2, 64, dtype=torch.bfloat16), torch.empty(3, 64), torch.empty(64, 2).T):
+        with pytest.raises(RuntimeError, match=r"out must be a contiguous float32 \[2, 64\] tensor"):
+            cpu_kernels.gemv_bf16_out(x, w, bad)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
@@ -196,12 +206,16 @@ def _int8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 9])
-@pytest.mark.parametrize("group, k", [(32, 256), (32, 224), (64, 320), (64, 1152), (128, 256), (128, 640), (256, 512)])
+@pytest.mark.parametrize(
+    "group, k", [(32, 256), (32, 224), (64, 320), (64, 1152), (128, 256), (128, 640), (256, 512), (512, 1536)]
+)
 def test_int4_int8_activation_kernel_matches_its_arithmetic(rows: int, group: int, k: int, isa: str) -> None:
     """q * scale terms use the rounded activations, the zero term the exact ones.
 
-    Group 32 or K not a multiple of 64 take the one-block kernel, the rest the two-block one (an
-    odd number of pairs per group at 64, group counts on both sides of 8 for the zero term).
+    Group 32 or K not a multiple of 64 take the one-block kernel, groups of 64 the two-block one
+    (an odd number of pairs per group), groups of 128 and more the four-block one on the 512-bit
+    VNNI variants (one, two and four steps per group) and the two-block one elsewhere; group
+    counts on both sides of 8 for the zero term.
     """
     torch.manual_seed(1000 * rows + k)  # the ~1% bound below is a statistic: a fixed draw
     q, scales, zeros = _random_int4(k, 40, group, seed=7 * rows + group)

@@ -35,7 +35,7 @@ import torch
 
 import serve.model as sm
 from benchmarks import serve_bench as sb
-from serve import LLM, SamplingParams
+from serve import LLM, SamplingParams, hugepages
 from serve import roofline as rl
 
 
@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     d = args.model or sb.build_random_model(args.workdir / args.preset, args.preset)
     results: dict[str, Any] = {"bandwidth_gb_s": bw / 1e9, "threads": args.threads, "preset": name, "runs": {}}
     results["isa"], results["row_order"] = sm.cpu_kernels.isa(), sm.cpu_kernels.row_order()
+    results["huge_pages"], results["thp"] = hugepages.enabled(), hugepages.thp_mode()
     print(f"serve CPU kernels: {results['isa']} variant, one-row products {results['row_order']}")
+    print(f"weights and KV cache on huge pages: {results['huge_pages']} (THP {results['thp']})")
     if args.mixed:
         results["runs"]["mixed bf16"] = r = profile_mixed(d, args, bw, dtype="bfloat16", head_quant=args.head_quant)
         print_profile(f"{name} bf16, {args.mixed} mixed requests ({r['tokens']} tokens, {r['wall_s']:.1f} s)", r)

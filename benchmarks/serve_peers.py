@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks import serve_bench as sb
+from serve import hugepages
 from serve import roofline as rl
 from serve.peer_compare import (
     abba_order,
@@ -300,6 +301,7 @@ def print_report(results: dict[str, Any]) -> None:
     print(
         f"\nread bandwidth {results['bandwidth_gb_s']:.1f} GB/s at {results['threads']} threads; load {results['load']}"
         f"; serve's kernels: {results.get('isa', '?')}, one-row products {results.get('row_order', '?')}"
+        f"; weights on huge pages: {results.get('huge_pages', '?')} (THP {results.get('thp', '?')})"
     )
     for model, res in results["models"].items():
         rounds = results.get("rounds", 1)
@@ -420,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "isa": sb.cpu_kernels.isa(),  # serve's kernel variant (WARSHA_CPU_ISA forces one)
         "row_order": sb.cpu_kernels.row_order(),  # how its one-row products walk the weights
+        "huge_pages": hugepages.enabled(),  # serve's weights and KV cache on THP (WARSHA_HUGE_PAGES=0: off)
+        "thp": hugepages.thp_mode(),
         "yarn_model": str(args.yarn_dir) if "yarn" in models else f"absent ({args.yarn_dir})",
         "models": {},
     }

@@ -38,6 +38,8 @@ from types import ModuleType
 
 import torch
 
+from serve import hugepages
+
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -471,9 +473,10 @@ class Int4Packed:
                 f"int4 layout needs a power-of-two group size ({group}) of at least {BLOCK} dividing in_features ({k})"
             )
         blocks = q.T.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
-        self.q = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        self.scales = scales.float().T.contiguous()
-        self.zeros = (zeros.float() - 8 * scales.float()).T.contiguous()
+        # on huge pages where the OS gives them: decode rows stream these (serve.hugepages)
+        self.q = hugepages.place((blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous())
+        self.scales = hugepages.place(scales.float().T.contiguous())
+        self.zeros = hugepages.place((zeros.float() - 8 * scales.float()).T.contiguous())
         self.group = group
 
     @staticmethod
@@ -488,7 +491,8 @@ def main() -> int:
     if available():
         print(
             f"serve CPU kernels: built, in use; ISA variant {isa()} (this CPU runs {', '.join(supported_isas())}); "
-            f"one-row products {row_order()}"
+            f"one-row products {row_order()}; weights and KV cache on huge pages: "
+            f"{'yes' if hugepages.enabled() else 'no'} (THP {hugepages.thp_mode()}, {hugepages.ENV}=0 turns it off)"
         )
     else:
         print("serve CPU kernels: not available; torch's kernels are used")

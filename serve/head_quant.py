@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from serve import cpu_kernels
+from serve import cpu_kernels, hugepages
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ class Int8Linear:
         if not cpu_kernels.available():
             raise ValueError("head_quant='int8' needs serve's AVX2 kernels, which are not available here")
         self.out_features, self.in_features = weight.shape
-        self.q, self.scale = quantize_rows_int8(weight)
+        self.q, self.scale = (hugepages.place(t) for t in quantize_rows_int8(weight))  # streamed by decode rows
         self.dequantized = self.q.float() * self.scale[:, None]  # the GEMM path of large batches
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from serve import device_io
+from serve import device_io, hugepages
 
 
 class KVCache:
@@ -30,8 +30,11 @@ class KVCache:
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":  # huge pages where the OS gives them (serve.hugepages)
+            self.k, self.v = hugepages.zeros(shape, dtype), hugepages.zeros(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         # one view per layer, made once: indexing k[layer] on every layer of every step costs a
         # tensor construction each time (measurable in a decode step of a small model)
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))

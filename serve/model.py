@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from serve import cpu_kernels, device_io
+from serve import cpu_kernels, device_io, hugepages
 from serve.args import HEAD_QUANTS
 from serve.attention import AttentionBackend, SeqChunk, get_backend
 from serve.awq import awq_to_gptq_state
@@ -88,7 +88,7 @@ class DecoderModel:
             state = awq_to_gptq_state(state)
         if self.device.type != "cpu":
             state = {k: v.to(self.device) for k, v in state.items()}
-        self.embed = state["model.embed_tokens.weight"].to(dtype)
+        self.embed = hugepages.place(state["model.embed_tokens.weight"].to(dtype))  # the tied head streams it
         fam = config.family
         scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
         self.embed_scale = scale if fam.embed_scale else None
@@ -97,7 +97,7 @@ class DecoderModel:
         head = state.get("lm_head.weight")
         if head is None and not config.tie_word_embeddings:
             raise KeyError("checkpoint lacks lm_head.weight and config.json does not tie word embeddings")
-        self.lm_head = self.embed if head is None else head.to(dtype)
+        self.lm_head = self.embed if head is None else hugepages.place(head.to(dtype))
         self.head = self._make_head()
         self._logits = LogitsBuffer()
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: vocabulary id of each logit column

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serve import cpu_kernels
+from serve import cpu_kernels, hugepages
 from serve.cpu import UPCAST_MIN_ROWS, upcast_bf16_default
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
@@ -251,7 +251,7 @@ class DenseLinear:
         prepack: bool = True,
     ) -> None:
         """`prepack=False` skips oneDNN's bf16 copy (a caller that only sends decode-sized batches)."""
-        self.weight = weight.contiguous()
+        self.weight = hugepages.place(weight.contiguous())  # what decode rows stream (serve.hugepages)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         use = cpu_kernels.available() if use_kernels is None else use_kernels

@@ -110,6 +110,7 @@ def describe() -> dict[str, Any]:
     out = dict(_active)
     if out:
         out["isa"] = _cpu_isa()
+        out["huge_pages"] = _huge_pages()
     if out.get("allocator") == "glibc-tuned":
         out["malloc"] = dict(TUNED)
     elif out.get("allocator") == "tcmalloc":
@@ -126,6 +127,14 @@ def _cpu_isa() -> str:
         return cpu_kernels.select_isa() or "none"
     except ValueError:
         return f"invalid {cpu_kernels.ISA_ENV}"
+
+
+def _huge_pages() -> str:
+    """Whether serve puts weights and the KV cache on huge pages here, with the kernel's THP setting
+    ("on (THP madvise)", "off (THP never)"; `serve.hugepages`)."""
+    from serve import hugepages
+
+    return f"{'on' if hugepages.enabled() else 'off'} (THP {hugepages.thp_mode()})"
 
 
 def cpu_seconds() -> tuple[float, float]:

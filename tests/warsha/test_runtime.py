@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve import cpu_kernels
+from serve import cpu_kernels, hugepages
 from serve import runtime as serve_runtime
 from tests.conftest import tiny_recipe
 from warsha import runtime
@@ -174,6 +174,7 @@ def test_manifest_records_the_runtime(tiny_artifact: Path) -> None:
     assert rt["allocator"] in runtime.ALLOCATORS and rt["threads"] >= 1
     assert rt["threads_source"] in ("OMP_NUM_THREADS", "recipe", "physical cores")
     assert rt["isa"] in (*cpu_kernels.ISAS, "none")  # the kernels' variant, chosen without building them
+    assert rt["huge_pages"] == f"{'on' if hugepages.enabled() else 'off'} (THP {hugepages.thp_mode()})"
 
 
 def test_serve_thread_rule(monkeypatch: pytest.MonkeyPatch) -> None:

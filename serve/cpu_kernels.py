@@ -373,8 +373,21 @@ def gemv_f32(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = tor
 
 
 def gemv_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """x [M, K] @ (q * scales[:, None]).T for an int8 weight [N, K] with one scale per row."""
+    """x [M, K] @ (q * scales[:, None]).T for an int8 weight [N, K] with one scale per row.
+
+    On the 512-bit VNNI variants each row of x is first rounded to int16 with one scale
+    (`int8_rounds_activations`, `round_rows_int16`; csrc/gemv.cpp says why)."""
     return load().gemv_int8(x, q, scales, out_dtype)
+
+
+def int8_rounds_activations(in_features: int) -> bool:
+    """Whether `gemv_int8` rounds its activation rows to int16 here for this many input features."""
+    return bool(load().int8_rounds_activations(in_features))
+
+
+def round_rows_int16(x: torch.Tensor) -> torch.Tensor:
+    """float32 rows of x [M, K] rounded as `gemv_int8` rounds them: S * round(x / S), S = max|x| / 32767."""
+    return load().round_rows_int16(x)
 
 
 def gemv_int4(

@@ -8,10 +8,13 @@ each row to int8 with its own scale halves those bytes and moves each weight by 
 step of its row (max|row| / 254). Opt-in, since greedy outputs may then differ from the
 checkpoint's at near-ties.
 
-Decode steps (up to `cpu_kernels.MAX_ROWS` rows) run serve's AVX2 kernel on the int8 rows
-(widened to float32 in registers, the row's scale applied to the finished sum). Larger batches
-use a float32 copy of the dequantized head, as bf16 heads do on this path, so prefill keeps its
-GEMM speed and computes the same numbers.
+Decode steps (up to `cpu_kernels.MAX_ROWS` rows) run serve's kernel on the int8 rows: widened
+to float32 in registers (AVX2, AVX-512), or, on the 512-bit VNNI variants, against the activation
+row rounded once to int16 (integer dot products: the head then streams at memory speed; the
+rounding moves a logit by at most 1.5e-5 of the row's largest activation times the row's weights).
+The row's scale is applied to the finished sum. Larger batches use a float32 copy of the
+dequantized head, as bf16 heads do on this path, on the same rounded rows where the kernel rounds
+them, so prefill keeps its GEMM speed and every batch size computes the same numbers.
 """
 
 from __future__ import annotations
@@ -50,5 +53,8 @@ class Int8Linear:
         if rows <= cpu_kernels.MAX_ROWS:
             y = cpu_kernels.gemv_int8(x2, self.q, self.scale, x.dtype)
         else:
-            y = F.linear(x2.float(), self.dequantized).to(x.dtype)
+            x32 = x2.float()
+            if cpu_kernels.int8_rounds_activations(self.in_features):  # as the kernel reads them
+                x32 = cpu_kernels.round_rows_int16(x32)
+            y = F.linear(x32, self.dequantized).to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -11,6 +11,8 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
 torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,
                            int64_t group, at::ScalarType out_dtype);
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, at::ScalarType out_dtype);
+bool int8_rounds_activations(int64_t K);
+torch::Tensor round_rows_int16(const torch::Tensor& x);
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& w, double eps);
 int64_t parallel_threads();
 bool amx_enable();
@@ -39,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int4", &gemv_int4, "y = x @ dequant(q).T for Warsha's int4 layout, float32 activations ");
   m.def("gemv_int4_a8", &gemv_int4_a8, "y = x @ dequant(q).T, activations quantized to int8 per 32 features ");
   m.def("gemv_int8", &gemv_int8, "y = (x @ q.T) * scale for an int8 weight with one scale per output row ");
+  m.def("int8_rounds_activations", &int8_rounds_activations, "whether gemv_int8 rounds rows to int16 for this K here");
+  m.def("round_rows_int16", &round_rows_int16, "rows rounded as gemv_int8 rounds them on 512-bit VNNI variants");
   m.def("rms_norm_bf16", &rms_norm_bf16, "transformers' RMSNorm on bf16 rows in one call");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on new queries/keys and their K/V written into the paged cache, in one call");
   m.def("set_isa", &set_isa, "run the named ISA variant of the matrix products (avx2, avx512, avx512_vnni, avx512_bf16, amx)");

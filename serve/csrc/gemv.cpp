@@ -277,6 +277,35 @@ QuadRows quad_rows(const QuantRows& xq, int R, int64_t K) {
   return out;
 }
 
+// ---- int16 activations for int8 weights (512-bit VNNI variants; gemv_int8 on K <= kInt16MaxK).
+// Each row is rounded once to int16 with one scale, S = max|x| / 32767 (float32), q = round(x / S)
+// (half to even): an error of at most S / 2 per element, 1.5e-5 of the row's largest value,
+// against the int8 weights' own rounding of 1/254 of their row's. Rows are zero-padded to a
+// multiple of 32 features so the kernel reads whole vectors of them.
+constexpr int64_t kInt16MaxK = 8192;  // a lane gains <= 2 x 127 x 32767 per step: K / 32 steps stay < 2^31
+
+struct Int16Rows {
+  std::vector<int16_t> q;     // [R, Kp]
+  std::vector<float> scale;   // [R]: S
+  int64_t Kp;                 // K rounded up to 32
+};
+
+Int16Rows quantize_rows_int16(const float* x, int R, int64_t K) {
+  const int64_t Kp = (K + 31) / 32 * 32;
+  Int16Rows out{std::vector<int16_t>(R * Kp, 0), std::vector<float>(R, 0.f), Kp};
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float S = amax / 32767.f;
+    out.scale[r] = S;
+    if (S == 0.f) continue;
+    for (int64_t k = 0; k < K; ++k)
+      out.q[r * Kp + k] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(xr[k] / S))));
+  }
+  return out;
+}
+
 // sum over groups of zeros[g] * gsum[g]: the zero-point term of one output and one row
 inline float zero_term(const float* zeros, const float* gsum, int64_t groups) {
   __m256 acc = _mm256_setzero_ps();
@@ -437,6 +466,25 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
 
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, at::ScalarType out_dtype) {
   WARSHA_DISPATCH(gemv_int8, x, q, scales, out_dtype)
+}
+
+// Whether gemv_int8 rounds activations to int16 for this K under the running variant.
+bool int8_rounds_activations(int64_t K) {
+  return (g_isa == Isa::kAvx512Vnni || g_isa == Isa::kAvx512Bf16 || g_isa == Isa::kAmx) && K <= kInt16MaxK;
+}
+
+// x [M, K] float32 rounded as gemv_int8 rounds it there (S * round(x / S) per row): what a
+// larger batch multiplies so that every batch size computes the same head.
+torch::Tensor round_rows_int16(const torch::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [rows, features]");
+  const FloatRows x(x_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  const Int16Rows xq = quantize_rows_int16(x.data, static_cast<int>(M), K);
+  torch::Tensor out = torch::empty({M, K}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; ++k) o[r * K + k] = static_cast<float>(xq.q[r * xq.Kp + k]) * xq.scale[r];
+  return out;
 }
 
 torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales, const torch::Tensor& zeros,

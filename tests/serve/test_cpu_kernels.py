@@ -310,15 +310,59 @@ def test_bad_shapes_are_named_errors() -> None:
         cpu_kernels.gemv_f32(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
 
 
-def test_int8_weight_kernel_matches_float64(isa: str) -> None:
-    torch.manual_seed(5)
-    q = torch.randint(-127, 128, (301, 200), dtype=torch.int8)
+def _int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per row to S * round(x / S), S = max|x| / 32767, computed in float32 as the
+    512-bit VNNI int8 kernel does (half to even); float64 out."""
+    x = x.float()
+    s = x.abs().amax(dim=1, keepdim=True) / 32767.0
+    q = torch.round(x / torch.where(s > 0, s, torch.ones_like(s))).clamp(-32767, 32767)
+    return torch.where(s > 0, q, torch.zeros_like(q)).double() * s.double()
+
+
+def _int8_input(x: torch.Tensor) -> torch.Tensor:
+    """The activations gemv_int8 multiplies here: int16-rounded rows where it rounds them."""
+    return _int16_rows(x) if cpu_kernels.int8_rounds_activations(x.shape[1]) else x.double()
+
+
+@pytest.mark.parametrize("k", [200, 640, 8200])  # 8200: past the int16 path's reach, widened on every variant
+def test_int8_weight_kernel_matches_float64(k: int, isa: str) -> None:
+    torch.manual_seed(5 + k)
+    q = torch.randint(-127, 128, (301, k), dtype=torch.int8)
     scale = torch.rand(301) * 0.01 + 1e-3
-    x = torch.randn(3, 200)
-    ref = x.double() @ (q.double() * scale.double()[:, None]).T
+    x = torch.randn(3, k)
+    x[1] *= 1e-3  # rows of different magnitudes: one scale per row
+    x[2, 7] = 40.0  # one large value: the other features of the row round coarser
+    xin = _int8_input(x)
+    assert cpu_kernels.int8_rounds_activations(k) == (isa in ("avx512_vnni", "avx512_bf16", "amx") and k <= 8192)
+    ref = xin @ (q.double() * scale.double()[:, None]).T
     got = cpu_kernels.gemv_int8(x, q, scale, torch.float32).double()
-    accumulation = 200 * 2.0**-23 * (x.double().abs() @ (q.double().abs() * scale.double()[:, None]).T)
+    accumulation = k * 2.0**-23 * (xin.abs() @ (q.double().abs() * scale.double()[:, None]).T)
     assert bool(((got - ref).abs() <= 2 * accumulation + 1e-30).all())
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T  # what the int16 rounding costs:
+    error = (got - exact).norm(dim=1) / exact.norm(dim=1)  # ~1e-5, ~1e-4 beside a 40x outlier
+    assert error[:2].max().item() < 3e-5 and error[2].item() < 3e-4
+
+
+def test_int16_rows_are_rounded_as_the_formula_says(isa: str) -> None:
+    torch.manual_seed(9)
+    x = torch.randn(5, 300) * torch.tensor([1.0, 1e-3, 1e3, 0.0, 1.0])[:, None]
+    x[4, :4] = torch.tensor([32767.5, -0.5, 1.5, 2.5]) / 32767.5 * 3  # ties: half to even
+    assert torch.equal(cpu_kernels.round_rows_int16(x), _int16_rows(x).float())  # q * S rounded once to float32
+    assert not bool(cpu_kernels.round_rows_int16(x)[3].any())
+
+
+def test_int16_activation_sums_do_not_overflow_at_the_extremes(isa: str) -> None:
+    """K = 8192 (the int16 path's limit), every weight 127 or -127, every activation at the row's
+    largest magnitude: each int32 lane reaches 2 x 127 x 32767 x 256 < 2^31 and must stay exact."""
+    k = 8192
+    q = torch.full((4, k), 127, dtype=torch.int8)
+    q[1] = -127
+    scale = torch.full((4,), 0.01)
+    x = torch.full((2, k), 3.0)
+    x[1] *= -1
+    ref = _int8_input(x) @ (q.double() * scale.double()[:, None]).T
+    got = cpu_kernels.gemv_int8(x, q, scale, torch.float32).double()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=0.0)
 
 
 @pytest.mark.parametrize("n, k", [(301, 640), (77, 200), (64, 37), (1029, 2048)])
@@ -342,9 +386,10 @@ def test_one_row_products_give_the_same_bits_in_either_row_order(n: int, k: int,
                 cpu_kernels.gemv_f32(x.float(), w.float(), torch.float32),
                 cpu_kernels.gemv_int8(x.float(), q, scale, torch.float32),
             ]
-    refs = [x.double() @ w.double().T] * 3 + [x.double() @ wq.T]
+    xq = _int8_input(x.float())
+    refs = [x.double() @ w.double().T] * 3 + [xq @ wq.T]
     bounds = [k * 2.0**-23 * (x.double().abs() @ w.double().abs().T)] * 3
-    bounds.append(2 * k * 2.0**-23 * (x.double().abs() @ wq.abs().T))
+    bounds.append(2 * k * 2.0**-23 * (xq.abs() @ wq.abs().T))
     for stream, interleave, ref, bound in zip(got["stream"], got["interleave"], refs, bounds):
         assert torch.equal(stream, interleave)
         assert bool(((stream.double() - ref).abs() <= bound + 1e-30).all())

@@ -210,7 +210,8 @@ def test_cpu_time_matches_the_os_clock_and_counts_page_faults_as_system_time() -
     assert total > 0
     assert abs(cpu["user_s"] - (now.user + now.children_user - ref.user - ref.children_user)) < 0.05
     assert abs(cpu["sys_s"] - (now.system + now.children_system - ref.system - ref.children_system)) < 0.05
-    assert cpu["user_s"] >= 0.3 and cpu["sys_s"] > 0.01
+    # the loop stops when os.times (10 ms ticks) shows 0.3 s: the finer clock may read a tick less
+    assert cpu["user_s"] >= 0.28 and cpu["sys_s"] > 0.01
     assert cpu["sys_share"] == pytest.approx(cpu["sys_s"] / cpu["user_s"], rel=0.05)  # fields are rounded
 
 

@@ -95,6 +95,13 @@ class EngineArgs:
         " for it; outputs may differ from the checkpoint's at near-ties); none: the checkpoint's head",
         HEAD_QUANTS,
     )
+    head_screen: bool = option(
+        True,
+        "find every greedy decode step's token through the whole LM head instead of an int8 copy that"
+        " bounds each logit and leaves the head's own kernel only the rows that can win (serve.head_screen:"
+        " the same tokens; large bf16/float32 CPU heads, half the bytes; the copy costs half the bf16 head)",
+        flag="--no-head-screen",
+    )
     draft_head_quant: str = option(
         "auto",
         "the draft's LM head: int8 reads a quarter of float32's bytes per drafted token and moves only"

@@ -43,7 +43,17 @@ from serve import hugepages
 log = logging.getLogger("serve.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPP_FILES = ("gemv.cpp", "amx.cpp", "attention.cpp", "rope_kv.cpp", "argmax.cpp", "norm.cpp", "act.cpp", "bindings.cpp")
+CPP_FILES = (
+    "gemv.cpp",
+    "amx.cpp",
+    "attention.cpp",
+    "rope_kv.cpp",
+    "argmax.cpp",
+    "screen.cpp",
+    "norm.cpp",
+    "act.cpp",
+    "bindings.cpp",
+)
 SOURCES = tuple(CSRC / name for name in CPP_FILES)
 HEADERS = (CSRC / "bf16.h", CSRC / "vmath.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
@@ -454,6 +464,14 @@ def rope_write_kv(
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) of float32 CPU logits [rows, vocab] at memory speed (greedy sampling)."""
     return load().argmax_rows(logits)
+
+
+def screen_candidates(
+    approx: torch.Tensor, scale: torch.Tensor, scale_l1: torch.Tensor, a: torch.Tensor, c: torch.Tensor, step: float
+) -> torch.Tensor:
+    """Ascending int64 columns of approx [rows, V] whose upper bound approx + a*scale + c*scale_l1
+    reaches its row's best lower bound less `step` of the larger best bound (serve/head_screen.py)."""
+    return load().screen_candidates(approx, scale, scale_l1, a, c, step)
 
 
 def gated_act_bf16(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:

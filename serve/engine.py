@@ -88,7 +88,7 @@ class LLM:
         self._device = args.device
         self._backend = get_backend(args.device, prefer=args.attention_backend)
         target = DecoderModel.load(
-            model_dir, torch_dtype, self._backend, args.device, args.int4_activations, args.head_quant
+            model_dir, torch_dtype, self._backend, args.device, args.int4_activations, args.head_quant, args.head_screen
         )
         draft_dtype = resolve_dtype(args.draft_dtype) if args.draft_dtype else torch_dtype
         draft = self._load_draft(draft_dir, draft_dtype) if draft_dir is not None else None

@@ -25,6 +25,8 @@ from serve.config import ModelConfig
 from serve.cpu import upcast_bf16_default
 from serve.head import SLICE_ROWS, LogitsBuffer, SlicedHead
 from serve.head_quant import Int8Linear
+from serve.head_screen import MIN_ROWS as SCREEN_MIN_ROWS
+from serve.head_screen import HeadScreen
 from serve.kv_cache import KVCache
 from serve.kv_layout import KVLayout, bind_to, layout_for
 from serve.layers import LayerWeights, Norm, apply_rope, gated_activation, load_layer, rms_norm
@@ -72,11 +74,14 @@ class DecoderModel:
         device: torch.device | str = "cpu",
         int4_activations: str = "int8",
         head_quant: str = "none",
+        head_screen: bool = True,
     ) -> None:
         """`int4_activations` (int4 checkpoints on CPU): "int8" quantizes each decode row's
         activations per 32 features for integer dot products (2x faster on AVX2, about 1% error
         per layer, as llama.cpp's Q4 x Q8); "float" keeps them in float32. `head_quant`: "int8"
-        rounds the LM head to int8 per row (`serve.head_quant`); "none" keeps the checkpoint's."""
+        rounds the LM head to int8 per row (`serve.head_quant`); "none" keeps the checkpoint's.
+        `head_screen`: greedy decode rows find the head's argmax through an int8 copy of a large
+        bf16/float32 head (`serve.head_screen`: the same tokens, half the bytes)."""
         if int4_activations not in INT4_ACTIVATIONS:
             raise ValueError(f"int4_activations={int4_activations!r}; use one of {INT4_ACTIVATIONS}")
         if head_quant not in HEAD_QUANTS:
@@ -99,6 +104,7 @@ class DecoderModel:
             raise KeyError("checkpoint lacks lm_head.weight and config.json does not tie word embeddings")
         self.lm_head = self.embed if head is None else hugepages.place(head.to(dtype))
         self.head = self._make_head()
+        self.screen, self.screen_rows = self._make_screen() if head_screen else (None, 0)
         self._logits = LogitsBuffer()
         self.head_ids: torch.Tensor | None = None  # set by restrict_head: vocabulary id of each logit column
         # logits of a decode batch from a captured graph, None where it does not apply (set by the engine)
@@ -126,11 +132,12 @@ class DecoderModel:
         device: torch.device | str = "cpu",
         int4_activations: str = "int8",
         head_quant: str = "none",
+        head_screen: bool = True,
     ) -> "DecoderModel":
         """Read config.json and the safetensors checkpoint of `model_dir` (weights onto `device`)."""
         config = ModelConfig.from_dir(model_dir)
         state = load_state_dict(model_dir)
-        return cls(config, state, resolve_dtype(dtype), backend, device, int4_activations, head_quant)
+        return cls(config, state, resolve_dtype(dtype), backend, device, int4_activations, head_quant, head_screen)
 
     def _make_head(self) -> DenseLinear | Int8Linear | SlicedHead:
         """The vocabulary projection of `lm_head` (prepacked on CPU bf16: the largest matmul);
@@ -142,6 +149,22 @@ class DecoderModel:
         if native_bf16 and w.device.type == "cpu" and w.shape[0] > SLICE_ROWS:
             return SlicedHead(w, SLICE_ROWS)
         return DenseLinear(w)
+
+    def _make_screen(self) -> tuple[HeadScreen | None, int]:
+        """The int8 screen of a large CPU head and the most rows it serves (those the head's own
+        decode kernel computes, whose per-row sums it reproduces); None where it does not apply:
+        a quantized or small head, no kernels, another device, or a logit soft-cap (its tanh can
+        tie logits the screen would tell apart)."""
+        w, head = self.lm_head, self.head
+        if not isinstance(head, (SlicedHead, DenseLinear)) or self.config.final_logit_softcapping is not None:
+            return None, 0
+        if w.device.type != "cpu" or w.shape[0] < SCREEN_MIN_ROWS or not cpu_kernels.available():
+            return None, 0
+        dense = head.whole if isinstance(head, SlicedHead) else head
+        rows = dense.kernel_max_rows if w.dtype == torch.bfloat16 else dense.f32_kernel_max_rows
+        if w.dtype not in (torch.bfloat16, torch.float32) or rows < 1:
+            return None, 0
+        return HeadScreen(w), rows
 
     def restrict_head(self, token_ids: list[int]) -> None:
         """Compute logits only for `token_ids` (a draft's frequent tokens).
@@ -158,6 +181,7 @@ class DecoderModel:
             raise ValueError(f"draft vocabulary: token ids must be distinct and in [0, {vocab}), got {ids.numel()} ids")
         self.lm_head = self.lm_head.index_select(0, ids.to(self.lm_head.device))
         self.head = self._make_head()
+        self.screen, self.screen_rows = None, 0  # a draft's small head: nothing to screen
         self.head_ids = ids.to(self.lm_head.device)
 
     def bind_kv_layout(self, target: KVLayout) -> None:
@@ -194,12 +218,16 @@ class DecoderModel:
         return metas
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache, reuse_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv: KVCache, reuse_logits: bool = False, argmax_only: bool = False
+    ) -> torch.Tensor:
         """Write the batch's K/V into `kv` and return float32 logits [len(logits_indices), V].
 
         float32 also because argmax over bf16 takes a slow path on CPU (3x the upcast + argmax).
         `reuse_logits`: the logits may live in this model's buffer, overwritten by its next
-        forward (the engine's step loop, which consumes them first; `serve.head`). A decode batch
+        forward (the engine's step loop, which consumes them first; `serve.head`). `argmax_only`:
+        the caller reads only each row's argmax (greedy requests without penalties or logprobs), so
+        a screened head may leave the other logits approximate (`serve.head_screen`). A decode batch
         goes through `decode_graph` where one is installed (CUDA graphs, `serve.decode_graphs`).
         """
         if self.decode_graph is not None and (logits := self.decode_graph(batch, kv)) is not None:
@@ -207,7 +235,7 @@ class DecoderModel:
         metas = self._group_metadata(batch.chunks, kv.block_size)
         rope_lens = [(ch.query_start, ch.query_len, ch.context_len) for ch in batch.chunks]
         ids, positions, rows = (device_io.to_device(t, self.device) for t in batch.tensors())
-        return self.compute(ids, positions, rows, metas, kv, reuse_logits, rope_lens)
+        return self.compute(ids, positions, rows, metas, kv, reuse_logits, rope_lens, argmax_only)
 
     def compute(
         self,
@@ -218,6 +246,7 @@ class DecoderModel:
         kv: KVCache,
         reuse_logits: bool = False,
         rope_lens: list[tuple[int, int, int]] | None = None,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """The forward's device work, from staged ids/positions/logits rows and built metadata.
 
@@ -253,7 +282,9 @@ class DecoderModel:
             m = layer.down(self.gated_act(layer.gate_up(layer.pre_mlp_norm(x))))
             x = x + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
         x = self.norm(x.index_select(0, rows))
-        if isinstance(self.head, SlicedHead):
+        if argmax_only and self.screen is not None and 0 < x.shape[0] <= self.screen_rows and self.screen.pays:
+            logits = self.screen.logits(x)  # exact at the argmax, int8 elsewhere; no soft-cap here
+        elif isinstance(self.head, SlicedHead):
             logits = self.head(x, self._logits.take(x.shape[0], self.head.out_features) if reuse_logits else None)
         else:
             logits = self.head(x).float()  # on the device: the sampler runs there (serve.device_io)

@@ -271,7 +271,8 @@ class ModelRunner:
             starts.append(start)
             toks.append(chunk)
         fb = build_forward(batch.seqs, starts, toks, logit_rows)
-        logits = self.target.forward(fb, self.target_kv, reuse_logits=True)  # consumed within this step
+        argmax_only = all(seq.params.argmax_only for seq, rows in zip(batch.seqs, logit_rows) if rows)
+        logits = self.target.forward(fb, self.target_kv, reuse_logits=True, argmax_only=argmax_only)
         self.num_target_forwards += 1
         return self._split_logits(batch, logits, logit_rows, sample_rows, spec_of)
 

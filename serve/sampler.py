@@ -92,6 +92,12 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def argmax_only(self) -> bool:
+        """True when the next token is the argmax of the raw logits and nothing else reads them
+        (greedy, no penalties, no logprobs): the engine may then screen the head (serve.head_screen)."""
+        return self.greedy and not self.has_penalties and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         """True when logits depend on the request's history."""
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0

@@ -286,6 +286,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         """Fold new latencies into histograms and publish a fresh snapshot."""
         c, st, bm, sched = self._counters, self.llm.stats, self.llm.block_manager, self.llm.scheduler
+        screen = self.llm.runner.target.screen
         for name in ("ttft", "tpot", "e2e"):
             values = getattr(st, "e2e_latency" if name == "e2e" else name)
             seen = getattr(c, f"seen_{name}")
@@ -306,6 +307,8 @@ class AsyncEngine:
             generation_tokens=st.num_generated_tokens,
             spec_proposed=st.spec_proposed,
             spec_accepted=st.spec_accepted,
+            head_screen_rows=screen.calls if screen is not None else 0,
+            head_screen_candidates=screen.candidates if screen is not None else 0,
             finished=dict(c.finished),
             rejected=c.rejected,
             ttft=c.ttft.copy(),

@@ -59,6 +59,8 @@ class MetricsSnapshot:
     generation_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    head_screen_rows: int = 0  # greedy logits rows found through the int8 screen (serve.head_screen)
+    head_screen_candidates: int = 0  # head rows computed exactly for them
     finished: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
@@ -141,6 +143,22 @@ def render(s: MetricsSnapshot) -> str:
         "gauge",
         "Accepted / proposed draft tokens since start (0 without a draft).",
         rate,
+        m,
+    )
+    _scalar(
+        lines,
+        "head_screen_rows_total",
+        "counter",
+        "Greedy logits rows whose token the int8 screen of the LM head found (0: screen off or never used).",
+        s.head_screen_rows,
+        m,
+    )
+    _scalar(
+        lines,
+        "head_screen_candidates_total",
+        "counter",
+        "LM head rows computed exactly for those logits rows (the rest were bounded out).",
+        s.head_screen_candidates,
         m,
     )
     lines += [

@@ -25,6 +25,8 @@ std::string current_isa();
 void set_row_order(const std::string& order);
 std::string row_order();
 torch::Tensor argmax_rows(const torch::Tensor& logits);
+torch::Tensor screen_candidates(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
+                                const torch::Tensor& a, const torch::Tensor& c, double step);
 torch::Tensor gated_act_bf16(const torch::Tensor& gate_up, bool gelu);
 torch::Tensor rms_norm_bf16_scaled(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -57,5 +59,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16_scaled", &rms_norm_bf16_scaled, "RMSNorm of bf16 rows times a float32 weight, rounded once (Gemma's 1 + w)");
   m.def("gated_act_bf16", &gated_act_bf16, "act(gate) * up of bf16 rows [T, 2I] holding gate then up; SiLU or tanh GELU");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or first NaN), as torch.argmax(-1)");
+  m.def("screen_candidates", &screen_candidates, "columns whose bounded logit can reach its row's best (serve/head_screen.py)");
   m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache ");
 }

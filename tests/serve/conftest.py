@@ -6,11 +6,13 @@ transformers is used here only as the independent reference; `serve` itself neve
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from serve import cpu_kernels
 from warsha.random_models import (  # noqa: F401  (re-exported: the serve tests import them from here)
     ARCHS,
     CORPUS,
@@ -24,6 +26,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Tiny ops on a shared 2-core machine: extra OpenMP threads only wait on each other.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(params=cpu_kernels.supported_isas())
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each kernel variant this CPU runs, in turn (`WARSHA_CPU_ISA`'s choices; the loaded one is
+    restored after). Request it, or mark a module with `pytest.mark.usefixtures("isa")`."""
+    with cpu_kernels.use_isa(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")

@@ -21,18 +21,12 @@ from serve import cpu_kernels
 from serve.attention import SeqChunk, TorchPagedAttention
 from serve.attention.torch_ref import KERNEL_MAX_QUERY
 
-pytestmark = pytest.mark.skipif(
-    not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX")), reason="the kernel needs AVX2"
-)
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.available(), reason="serve's CPU kernels did not build here"),
+    pytest.mark.usefixtures("isa"),  # every kernel variant the CPU runs (conftest)
+]
 
 NULL_BLOCK = -1
-
-
-@pytest.fixture(autouse=True, params=cpu_kernels.supported_isas())
-def isa(request: pytest.FixtureRequest):
-    """Run the test under each kernel variant the CPU supports (`WARSHA_CPU_ISA`'s choices)."""
-    with cpu_kernels.use_isa(request.param):
-        yield request.param
 
 
 def make_case(

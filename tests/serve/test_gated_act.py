@@ -12,7 +12,6 @@ and GELU's far negative tail, where both are under 1e-6.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,16 +20,12 @@ import torch.nn.functional as F
 from serve import cpu_kernels
 from serve.layers import activation, gated_activation
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="serve's CPU kernels did not build here")
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.available(), reason="serve's CPU kernels did not build here"),
+    pytest.mark.usefixtures("isa"),  # 8 lanes under avx2, 16 under the AVX-512 variants (conftest)
+]
 
 NAMES = ["silu", "gelu_pytorch_tanh"]
-
-
-@pytest.fixture(autouse=True, params=cpu_kernels.supported_isas())
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each kernel variant the CPU runs (8 lanes under avx2, 16 under the AVX-512 ones)."""
-    with cpu_kernels.use_isa(request.param):
-        yield request.param
 
 
 def _exact(gate: torch.Tensor, name: str) -> torch.Tensor:

@@ -46,6 +46,7 @@ import torch
 from benchmarks import serve_bench as sb
 from serve import hugepages
 from serve import roofline as rl
+from serve.head_screen import MIN_ROWS as SCREEN_MIN_ROWS
 from serve.peer_compare import (
     abba_order,
     checkpoint_key,
@@ -159,7 +160,15 @@ def decode_rows(
 
     b16, b32 = rl.checkpoint_decode_bytes(model_dir, 2), rl.checkpoint_decode_bytes(model_dir, 4)
     one = [(prompt, n)]
-    add(16, "warsha bf16", warsha_run(model_dir, one, args), b16, 2, model_dir)
+    # greedy steps find their token through serve's int8 screen of the head (serve.head_screen:
+    # the same tokens); the whole head beside it, as a user passing --no-head-screen runs it
+    screened = (
+        rl.head_bytes_saved_int8(model_dir)
+        if json.loads((model_dir / "config.json").read_text())["vocab_size"] >= SCREEN_MIN_ROWS
+        else 0
+    )
+    add(16, "warsha bf16", warsha_run(model_dir, one, args), b16 - screened, 2, model_dir)
+    add(16, "warsha bf16, whole head", warsha_run(model_dir, one, args, head_screen=False), b16, 2, model_dir)
     add(32, "warsha fp32", warsha_run(model_dir, one, args, dtype="float32"), b32, 4, model_dir)
     if int4_dir is not None:
         w4 = warsha_run(int4_dir, one, args, int4_activations="int8")

@@ -9,7 +9,7 @@ and each slice's bf16 output (a few MiB, which the allocator reuses) is widened 
 buffer the engine keeps from step to step. The numbers are those of one GEMM over the whole head
 rounded to bf16 and widened, as before: a slice only cuts the output columns, never the reduction.
 
-Decode-sized batches (up to the bf16 kernel's row limit) take serve's kernel over the whole
+Decode-sized batches (up to `HEAD_KERNEL_MAX_ROWS`) take serve's kernel over the whole
 head, as `DenseLinear` does, with its float32 sums rounded through bf16 in place in the buffer
 (`cpu_kernels.gemv_bf16_out`): a bf16 result, a widened copy and a copy into the buffer cost
 about 0.3 ms of a 20 ms decode step on Gemma 3's 262k-row head. Where serve's kernels run
@@ -26,6 +26,11 @@ from serve import cpu_kernels
 from serve.quant import DenseLinear
 
 SLICE_ROWS = 32768  # vocabulary rows per prepacked slice: its bf16 output for 64 rows is 4 MiB
+# rows of a bf16 head serve's kernel takes on a native-bf16 CPU (linears: 4). Gemma 3's head on Zen 4,
+# best of 3 x 10: 5 rows 7.2 ms against 9.5 for oneDNN's slices, 8 rows 9.8 against 13.2, 12 rows
+# 17.0 against 15.5. Speculative verification (k + 1 rows) and small greedy batches are screened up
+# to here (serve.head_screen)
+HEAD_KERNEL_MAX_ROWS = 8
 
 
 class LogitsBuffer:
@@ -53,6 +58,8 @@ class SlicedHead:
             raise ValueError(f"SlicedHead takes a bf16 CPU weight, got {weight.dtype} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.whole = DenseLinear(weight, upcast=False, prepack=False)  # decode rows: serve's kernel
+        if self.whole.kernel_max_rows:  # the head streams 335 MB: the kernel wins at more rows than a linear
+            self.whole.kernel_max_rows = HEAD_KERNEL_MAX_ROWS
         # AMX tiles write the whole head's float32 logits in place; oneDNN runs by slices
         self.amx = cpu_kernels.amx_pack(weight) if cpu_kernels.amx_fits(weight) else None
         self.bounds = [(a, min(a + slice_rows, self.out_features)) for a in range(0, self.out_features, slice_rows)]

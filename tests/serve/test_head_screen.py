@@ -115,6 +115,21 @@ def test_served_greedy_tokens_equal_the_whole_heads(big_vocab: Path, dtype: str)
     assert screen is None or screen.calls > 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_speculative_greedy_verification_is_screened_and_unchanged(big_vocab: Path, dtype: str) -> None:
+    """Prompt lookup drafts 3 tokens: the target scores 4 rows per step, each through the screen."""
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"prompt_lookup_max": 3, "num_speculative_tokens": 3}
+    want = [o.token_ids for o in LLM(big_vocab, dtype=dtype, head_screen=False, **spec).generate(prompts, greedy)]
+    screened = LLM(big_vocab, dtype=dtype, **spec)
+    assert [o.token_ids for o in screened.generate([prompts[0]], greedy)] == want[:1]
+    assert [o.token_ids for o in screened.generate(prompts, greedy)] == want
+    target = screened.runner.target
+    assert screened.stats.lookup_proposed > 0  # drafts were verified
+    assert target.screen is None or (target.screen.calls > 0 and target.screen_rows >= 4)
+
+
 def test_requests_that_read_more_than_the_argmax_take_the_whole_head(big_vocab: Path) -> None:
     llm = LLM(big_vocab, dtype="float32")
     screen = llm.runner.target.screen

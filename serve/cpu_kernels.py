@@ -467,11 +467,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def screen_candidates(
-    approx: torch.Tensor, scale: torch.Tensor, scale_l1: torch.Tensor, a: torch.Tensor, c: torch.Tensor, step: float
+    approx: torch.Tensor,
+    scale: torch.Tensor,
+    scale_l1: torch.Tensor,
+    a: torch.Tensor,
+    c: torch.Tensor,
+    step: float,
+    slack: float = 1e-6,
 ) -> torch.Tensor:
     """Ascending int64 columns of approx [rows, V] whose upper bound approx + a*scale + c*scale_l1
-    reaches its row's best lower bound less `step` of the larger best bound (serve/head_screen.py)."""
-    return load().screen_candidates(approx, scale, scale_l1, a, c, step)
+    reaches its row's best lower bound less `step` of the larger best bound and less `slack`
+    (serve/head_screen.py)."""
+    return load().screen_candidates(approx, scale, scale_l1, a, c, step, slack)
 
 
 def gated_act_bf16(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:

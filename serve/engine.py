@@ -298,7 +298,7 @@ class LLM:
         try:
             self.runner.copy_blocks(self.block_manager.take_pending_copies())
             proposal = self.runner.propose(batch, self._generators)
-            scored = self.runner.score(batch, proposal)
+            scored = self.runner.score(batch, proposal, self._generators)
             new_tokens = self._sample_plain(batch, scored)
             if proposal is not None:
                 new_tokens.update(self._verify(batch, proposal, scored.spec_logits))
@@ -366,6 +366,7 @@ class LLM:
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [self._generators.get(s.request_id) for s in seqs],
+            scored.drawn,
         )
         return {row: [(tok, lp)] for row, tok, lp in zip(scored.sample_rows, result.tokens, result.logprobs)}
 

@@ -16,7 +16,10 @@ than a bf16 rounding step below the best exact logit, so the argmax (first index
 the whole head's, bit for bit. On Gemma 3's head a step has 1-300 candidates of 262,144.
 
 Only argmax consumers may read the result: greedy requests without penalties or logprobs
-(`SamplingParams.argmax_only`). Everything else takes the whole head. The copy costs half the
+(`SamplingParams.argmax_only`), and plain sampled ones (`SamplingParams.gumbel_sampled`: no
+top-k, top-p, penalties or logprobs), which the CPU engine draws as argmax(logits / T + G) with
+Gumbel noise G (`serve.sampler.GumbelDraw`): the bounds then scale by 1 / T and the noise moves
+every bound alike, so the same rows decide. Everything else takes the whole head. The copy costs half the
 head's bf16 bytes in memory (a quarter of float32's).
 """
 
@@ -26,6 +29,7 @@ import torch
 
 from serve import cpu_kernels, hugepages
 from serve.head_quant import quantize_rows_int8
+from serve.sampler import GumbelDraw
 
 MIN_ROWS = 16384  # smaller heads are a small share of a step; the bookkeeping would not pay
 FLAT_SHARE = 4  # more than 1 / FLAT_SHARE of the rows as candidates: compute the whole head
@@ -43,6 +47,7 @@ class HeadScreen:
         q, scale = quantize_rows_int8(weight)
         self.q, self.scale = hugepages.place(q), hugepages.place(scale)
         self.scale_l1 = scale * q.abs().sum(dim=1, dtype=torch.int32).float()  # s_r ||q_r||_1
+        self.scale_max, self.scale_l1_max = float(scale.max()), float(self.scale_l1.max())
         self.calls, self.candidates = 0, 0  # screened rows of x, and rows computed exactly for them
         self.flat = 0  # rows of x for which so many rows could win that the whole head ran instead
 
@@ -63,19 +68,31 @@ class HeadScreen:
             eps_x = eps_x + top / 32767.0 * 0.5
         return a.contiguous(), (eps_x * slack).contiguous()
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 [rows, V]: the head's exact logits at every candidate row, the int8 ones elsewhere.
+    def logits(self, x: torch.Tensor, draw: GumbelDraw | None = None) -> torch.Tensor:
+        """float32 [rows, V]: the head's exact logits at every candidate row, the int8 ones elsewhere,
+        each perturbed by `draw` when given (sampled rows: logits / T + Gumbel noise).
 
-        Their argmax equals the whole head's for each row of x (bf16 or float32, decode-sized).
+        Their argmax equals the whole head's (perturbed the same way) for each row of x (bf16 or
+        float32, decode-sized).
         """
         out = cpu_kernels.gemv_int8(x, self.q, self.scale, torch.float32)
         a, c = self.bounds(x)
-        ids = cpu_kernels.screen_candidates(out, self.scale, self.scale_l1, a, c, BF16_STEP)
+        slack = 1e-6
+        if draw is not None:  # bounds scale by 1 / T; a bf16 rounding of a logit moves a score by
+            # up to 2^-8 |logit| / T, relative to the logit, not to the perturbed score
+            t = draw.temperature
+            top = float(out.abs().amax()) + float(a.max()) * self.scale_max + float(c.max()) * self.scale_l1_max
+            slack += 2.0 * 2.0**-8 * top / float(t.min())
+            draw.apply(out)
+            a, c = a / t, c / t
+        ids = cpu_kernels.screen_candidates(out, self.scale, self.scale_l1, a, c, BF16_STEP, slack)
         self.calls, self.candidates = self.calls + x.shape[0], self.candidates + ids.numel()
         if ids.numel() * FLAT_SHARE > self.out_features:  # gathering them would cost more than the head
             self.flat += x.shape[0]
-            return self.exact(x, self.weight)
-        out.index_copy_(1, ids, self.exact(x, self.weight.index_select(0, ids)))
+            whole = self.exact(x, self.weight)
+            return whole if draw is None else draw.apply(whole)
+        exact = self.exact(x, self.weight.index_select(0, ids))
+        out.index_copy_(1, ids, exact if draw is None else draw.apply(exact, ids))
         return out
 
     @property

@@ -32,6 +32,7 @@ from serve.kv_layout import KVLayout, bind_to, layout_for
 from serve.layers import LayerWeights, Norm, apply_rope, gated_activation, load_layer, rms_norm
 from serve.quant import DenseLinear
 from serve.rope import RotaryEmbedding
+from serve.sampler import GumbelDraw
 from serve.weights import load_state_dict
 
 __all__ = ["DecoderModel", "ForwardBatch", "LayerWeights", "resolve_dtype", "rms_norm"]
@@ -219,7 +220,12 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: KVCache, reuse_logits: bool = False, argmax_only: bool = False
+        self,
+        batch: ForwardBatch,
+        kv: KVCache,
+        reuse_logits: bool = False,
+        argmax_only: bool = False,
+        draw: GumbelDraw | None = None,
     ) -> torch.Tensor:
         """Write the batch's K/V into `kv` and return float32 logits [len(logits_indices), V].
 
@@ -227,7 +233,8 @@ class DecoderModel:
         `reuse_logits`: the logits may live in this model's buffer, overwritten by its next
         forward (the engine's step loop, which consumes them first; `serve.head`). `argmax_only`:
         the caller reads only each row's argmax (greedy requests without penalties or logprobs), so
-        a screened head may leave the other logits approximate (`serve.head_screen`). A decode batch
+        a screened head may leave the other logits approximate (`serve.head_screen`); with `draw`
+        every row is perturbed into scores whose argmax is its token (`GumbelDraw`). A decode batch
         goes through `decode_graph` where one is installed (CUDA graphs, `serve.decode_graphs`).
         """
         if self.decode_graph is not None and (logits := self.decode_graph(batch, kv)) is not None:
@@ -235,7 +242,7 @@ class DecoderModel:
         metas = self._group_metadata(batch.chunks, kv.block_size)
         rope_lens = [(ch.query_start, ch.query_len, ch.context_len) for ch in batch.chunks]
         ids, positions, rows = (device_io.to_device(t, self.device) for t in batch.tensors())
-        return self.compute(ids, positions, rows, metas, kv, reuse_logits, rope_lens, argmax_only)
+        return self.compute(ids, positions, rows, metas, kv, reuse_logits, rope_lens, argmax_only, draw)
 
     def compute(
         self,
@@ -247,6 +254,7 @@ class DecoderModel:
         reuse_logits: bool = False,
         rope_lens: list[tuple[int, int, int]] | None = None,
         argmax_only: bool = False,
+        draw: GumbelDraw | None = None,
     ) -> torch.Tensor:
         """The forward's device work, from staged ids/positions/logits rows and built metadata.
 
@@ -283,13 +291,14 @@ class DecoderModel:
             x = x + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
         x = self.norm(x.index_select(0, rows))
         if argmax_only and self.screen is not None and 0 < x.shape[0] <= self.screen_rows and self.screen.pays:
-            logits = self.screen.logits(x)  # exact at the argmax, int8 elsewhere; no soft-cap here
-        elif isinstance(self.head, SlicedHead):
+            return self.screen.logits(x, draw)  # exact at the argmax, int8 elsewhere; no soft-cap here
+        if isinstance(self.head, SlicedHead):
             logits = self.head(x, self._logits.take(x.shape[0], self.head.out_features) if reuse_logits else None)
         else:
             logits = self.head(x).float()  # on the device: the sampler runs there (serve.device_io)
         cap = c.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        logits = logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if draw is None else draw.apply(logits)
 
     def _fused_rope_write(self, kv: KVCache, write_kv: object) -> bool:
         """Whether this forward rotates and stores K/V with serve's C++ call (CPU, fp32/bf16,

@@ -17,7 +17,7 @@ from serve.attention import SeqChunk
 from serve.kv_cache import KVCache
 from serve.model import DecoderModel, ForwardBatch
 from serve.prompt_lookup import lookup
-from serve.sampler import SamplingParams, argmax_ids, processed, sample
+from serve.sampler import GumbelDraw, SamplingParams, argmax_ids, gumbel_noise, processed, sample
 from serve.scheduler import ScheduledBatch
 from serve.sequence import Sequence
 from serve.spec_decode import RejectionResult, greedy_verify, rejection_sample
@@ -41,6 +41,7 @@ class TargetOutput:
     sample_rows: list[int]  # batch rows that caught up without speculation
     sample_logits: torch.Tensor  # [len(sample_rows), V]
     spec_logits: list[torch.Tensor]  # per proposal row: [k_i + 1, V]
+    drawn: bool = False  # every row's token is the argmax of its row (greedy, or a Gumbel draw)
 
 
 def build_forward(
@@ -251,7 +252,9 @@ class ModelRunner:
         return Proposal(rows=rows, tokens=tokens, probs=None, counts=counts)
 
     # ----------------------------------------------------------------- target
-    def score(self, batch: ScheduledBatch, proposal: Proposal | None) -> TargetOutput:
+    def score(
+        self, batch: ScheduledBatch, proposal: Proposal | None, generators: dict[str, torch.Generator]
+    ) -> TargetOutput:
         """One target forward over every scheduled chunk plus the draft tokens to verify."""
         spec_of = {row: j for j, row in enumerate(proposal.rows)} if proposal else {}
         drafts = device_io.to_host(proposal.tokens) if proposal else []  # the drafts' sampled ids
@@ -271,10 +274,43 @@ class ModelRunner:
             starts.append(start)
             toks.append(chunk)
         fb = build_forward(batch.seqs, starts, toks, logit_rows)
-        argmax_only = all(seq.params.argmax_only for seq, rows in zip(batch.seqs, logit_rows) if rows)
-        logits = self.target.forward(fb, self.target_kv, reuse_logits=True, argmax_only=argmax_only)
+        draw = self._gumbel_draw(batch, logit_rows, spec_of, generators)
+        argmax_only = draw is not None or all(s.params.argmax_only for s, rows in zip(batch.seqs, logit_rows) if rows)
+        logits = self.target.forward(fb, self.target_kv, reuse_logits=True, argmax_only=argmax_only, draw=draw)
         self.num_target_forwards += 1
-        return self._split_logits(batch, logits, logit_rows, sample_rows, spec_of)
+        out = self._split_logits(batch, logits, logit_rows, sample_rows, spec_of)
+        out.drawn = draw is not None
+        return out
+
+    def _gumbel_draw(
+        self,
+        batch: ScheduledBatch,
+        logit_rows: list[list[int]],
+        spec_of: dict[int, int],
+        generators: dict[str, torch.Generator],
+    ) -> GumbelDraw | None:
+        """Noise that makes each sampled row's token an argmax, for a CPU step whose logits rows
+        are all plain draws (`SamplingParams.gumbel_sampled`, not verifying drafts) or greedy
+        argmax-only rows; None otherwise (the sampler then draws by inverse CDF). Every plain draw
+        on the CPU is a Gumbel draw, screened head or not, so the same seed gives the same tokens
+        with `--no-head-screen`."""
+        rows = [(i, seq.params) for i, seq in enumerate(batch.seqs) if logit_rows[i]]
+        if self.target.device.type != "cpu" or not any(p.gumbel_sampled for _, p in rows):
+            return None
+        if not all(p.argmax_only or (p.gumbel_sampled and i not in spec_of) for i, p in rows):
+            return None
+        starts = [0]
+        for r in logit_rows:
+            starts.append(starts[-1] + len(r))
+        sampled = [(i, p) for i, p in rows if p.gumbel_sampled]
+        offsets = [starts[i] for i, _ in sampled]
+        n, vocab = starts[-1], self.target.lm_head.shape[0]
+        temperature = torch.ones(n)
+        temperature[offsets] = torch.tensor([p.temperature for _, p in sampled])
+        noise = gumbel_noise([generators.get(batch.seqs[i].request_id) for i, _ in sampled], self.generator, vocab)
+        if len(offsets) < n:  # greedy rows beside them: no noise
+            noise = torch.zeros(n, vocab).index_copy_(0, torch.tensor(offsets), noise)
+        return GumbelDraw(temperature, noise)
 
     @staticmethod
     def _split_logits(

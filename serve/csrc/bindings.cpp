@@ -26,7 +26,7 @@ void set_row_order(const std::string& order);
 std::string row_order();
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor screen_candidates(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
-                                const torch::Tensor& a, const torch::Tensor& c, double step);
+                                const torch::Tensor& a, const torch::Tensor& c, double step, double slack);
 torch::Tensor gated_act_bf16(const torch::Tensor& gate_up, bool gelu);
 torch::Tensor rms_norm_bf16_scaled(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

@@ -3,7 +3,7 @@
 // approx [M, V] holds each row's int8 logits; the exact logit of column v for row m lies within
 // b = a[m] * scale[v] + c[m] * scale_l1[v] of it. A column is a candidate for row m when its
 // upper bound reaches row m's best lower bound less a bf16 rounding step (`step` times the larger
-// magnitude of the best lower and upper bounds). Two passes over the logits at memory speed
+// magnitude of the best lower and upper bounds, plus `slack`). Two passes over the logits at memory speed
 // (AVX2): the best bounds, then the columns that reach them, ascending, for any row.
 
 #include <torch/extension.h>
@@ -49,7 +49,7 @@ void best_bounds(const float* x, const float* s, const float* sl, float a, float
 }  // namespace
 
 torch::Tensor screen_candidates(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
-                                const torch::Tensor& a, const torch::Tensor& c, double step) {
+                                const torch::Tensor& a, const torch::Tensor& c, double step, double slack) {
   TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == torch::kFloat32 && approx.is_contiguous(),
               "approx must be contiguous float32 [rows, V]");
   const int64_t M = approx.size(0), V = approx.size(1);
@@ -64,7 +64,7 @@ torch::Tensor screen_candidates(const torch::Tensor& approx, const torch::Tensor
   for (int64_t m = 0; m < M; ++m) {
     float lo, hi;
     best_bounds(x + m * V, s, sl, pa[m], pc[m], V, &lo, &hi);
-    floor[m] = lo - std::max(std::fabs(lo), std::fabs(hi)) * static_cast<float>(step) - 1e-6f;
+    floor[m] = lo - std::max(std::fabs(lo), std::fabs(hi)) * static_cast<float>(step) - static_cast<float>(slack);
   }
   std::vector<int64_t> ids;
   for (int64_t v0 = 0; v0 < V; v0 += 8) {

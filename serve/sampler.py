@@ -258,7 +258,7 @@ def uniform_noise(
 
 
 def gumbel_noise(generators: list[torch.Generator | None], default: torch.Generator, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [rows, vocab] on the host, -log(-log(u)) of `uniform_noise`'s draws.
+    """Standard Gumbel noise [rows, vocab] on the host, -log(-log(u)) of U[0, 1) draws.
 
     argmax(logits / T + noise) is then an exact draw from softmax(logits / T) (the Gumbel-max
     trick): the draw is an argmax, which an int8 screen of the head finds exactly. u = 0 gives

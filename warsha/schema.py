@@ -9,6 +9,7 @@ as ``field(metadata=check(...))`` so that the schema documents itself.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -111,8 +112,15 @@ def _convert_dict(tp: Any, value: Any, path: str, problems: list[Problem]) -> An
     return {str(k): convert(val_tp, v, f"{path}.{k}", problems) for k, v in value.items()}
 
 
+# YAML 1.1 (PyYAML) reads a float without a dot, ``1e-4``, as a string: a learning rate written
+# the way papers write it would otherwise be refused
+_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _convert_scalar(tp: Any, value: Any, path: str, problems: list[Problem]) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
         return float(value)
     if tp in (int, float) and isinstance(value, bool):
         problems.append(f"{path}: expected {tp.__name__}, got bool {value!r}")

@@ -50,6 +50,16 @@ def test_all_problems_reported_at_once_with_paths() -> None:
     assert len(problems) == 5
 
 
+def test_floats_in_exponent_form_are_floats() -> None:
+    """PyYAML reads ``1e-4`` as a string; a float field takes it as the number, and a string that
+    is not one stays an error."""
+    data = apply_overrides(tiny_recipe(), ["stages[0].params.train.lr=5e-5"])
+    assert data["stages"][0]["params"]["train"]["lr"] == "5e-5"
+    assert parse_recipe(data).resolved[0].train.lr == 5e-5
+    bad = apply_overrides(tiny_recipe(), ["stages[0].params.train.lr=5e-x"])
+    assert any("train.lr: expected float, got str '5e-x'" in p for p in problems_of(bad))
+
+
 def test_cross_field_validation_runs_per_object() -> None:
     data = tiny_recipe(num_heads=3)
     assert any("num_heads: must divide hidden_size" in p for p in problems_of(data))

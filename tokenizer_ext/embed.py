@@ -9,9 +9,9 @@ partitioned matrices are gathered before rows are written (``modifier_rank=0`` b
 rank 0's writes back into every partition).
 
 With ``fit.steps`` the initialised rows are then fitted to the base (``fit_rows``): only the
-new rows train, against the base reading the base tokenization of the same text, and the
-report scores the model before the fit (``before_fit``) beside the fitted one
-(``extended_init``).
+new rows train (or, with ``fit_map``, one map from each piece's subword rows to its row),
+against the base reading the base tokenization of the same text, and the report scores the
+model before the fit (``before_fit``) beside the fitted one (``extended_init``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ worse than its base outside the training corpus at step 0 (docs/adaptation.md), 
 that starts there spends its budget undoing it while the body drifts. Fitting the new rows
 alone cannot change anything the base does with base tokens: the base rows and every other
 weight are frozen, so the extended model only learns when and how to use its new pieces.
+
+With ``fit_map`` the rows are not trained one by one: one linear map from each piece's subword
+rows to its row is (``row_map``), so every occurrence of any piece teaches every piece.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def fit(
     written = _written(ctx, p, teacher, base_tok) if n_written else []
     matrices = trained_matrices(model)
     for q in model.parameters():
-        q.requires_grad_(any(q is m for m in matrices))
+        q.requires_grad_(not p.fit_map and any(q is m for m in matrices))
+    row_map = _attach_map(model, matrices, base_n, sources, p.init_scale) if p.fit_map else None
 
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
         key = f"{ctx.seed}/{step}/{micro}/{rank}"
@@ -60,17 +64,21 @@ def fit(
             row_lr.scale_leading_rows(opt, weight, base_n, 0.0)
 
     firsts = cross_tok.first_pieces(sources)
+    loss_fn = cross_tok.loss_fn(teacher, firsts, base_n, p.fit_top_k, p.fit_distill_weight, p.fit_nll_weight)
     trainer = Trainer(
         model=model,
         p=t,
         ctx=ctx,
         batch_fn=batch_fn,
-        loss_fn=cross_tok.loss_fn(teacher, firsts, base_n, p.fit_top_k, p.fit_distill_weight, p.fit_nll_weight),
+        loss_fn=loss_fn if row_map is None else _mapped_loss(loss_fn, row_map, matrices),
         name="embed_fit",
-        parameters=matrices,
-        on_optimizer=freeze_base_rows,
+        parameters=matrices if row_map is None else list(row_map.parameters()),
+        on_optimizer=freeze_base_rows if row_map is None else None,
     )
     result = trainer.run()
+    if row_map is not None:
+        row_map.write(matrices)
+        model._modules.pop("warsha_row_map")
     step = max(1, len(result.losses) // 50)
     return {
         **result.summary(),
@@ -79,7 +87,28 @@ def fit(
         "nll_weight": p.fit_nll_weight,
         "replay_windows_per_batch": n_written,
         "replay_docs": len(written),
+        "trained": "map" if row_map is not None else "rows",
     }
+
+
+def _attach_map(model: Any, matrices: list[Any], base_n: int, sources: list[list[int]], scale: float) -> Any:
+    """A ``row_map.RowMap`` registered on ``model`` (its checkpoints carry the maps)."""
+    from tokenizer_ext import row_map
+
+    rmap = row_map.RowMap(matrices, base_n, sources, scale)
+    model.add_module("warsha_row_map", rmap)
+    return rmap
+
+
+def _mapped_loss(loss_fn: Any, rmap: Any, matrices: list[Any]) -> Any:
+    """``loss_fn`` with the model's new rows taken from the map, so the loss trains the map."""
+    from tokenizer_ext import row_map
+
+    def fn(model: Any, batch: dict[str, Any]) -> Any:
+        with row_map.mapped(model, rmap, matrices):
+            return loss_fn(model, batch)
+
+    return fn
 
 
 def _written(ctx: "StageContext", p: "EmbedParams", teacher: Any, base_tok: Any) -> list[str]:

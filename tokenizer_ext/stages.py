@@ -102,6 +102,14 @@ class EmbedParams(DomainEval):
             help="fit the new rows alone to the base before saving (steps: 0 = off; tokenizer_ext.fit_rows)"
         ),
     )
+    fit_map: bool = field(
+        default=False,
+        metadata=check(
+            help="fit: train one linear map from a piece's subword rows (mean, first, last) to its row, shared"
+            " by every new piece, instead of each row on its own: rare pieces learn from frequent ones"
+            " (tokenizer_ext.row_map; docs/adaptation.md)"
+        ),
+    )
     fit_distill_weight: float = field(
         default=1.0,
         metadata=check(ge(0.0), help="fit: weight of the cross-tokenizer term against the base (0 = next-token only)"),

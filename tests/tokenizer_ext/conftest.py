@@ -54,6 +54,15 @@ def tiny_llama(out: Path, vocab: int, tie: bool = False, seed: int = 0) -> Any:
     return model
 
 
+def with_model(extended: Path, out: Path, tie: bool) -> Path:
+    """A copy of an ``extend`` artifact at ``out`` whose model is a fresh ``tiny_llama``."""
+    shutil.copytree(extended, out)
+    for f in ("model.safetensors", "config.json"):
+        (out / f).unlink()
+    tiny_llama(out, 32000, tie=tie)
+    return out
+
+
 @pytest.fixture(scope="session")
 def corpus() -> Corpus:
     return load_corpus(DataConfig(max_documents=2500))
@@ -150,3 +159,13 @@ def trained_base(tmp_path_factory: pytest.TempPathFactory, sp_extended_dir: Path
         opt.zero_grad()
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tokenizers(sp_extended_dir: Path) -> tuple[Any, Any]:
+    """The extended tokenizer and the base one it carries, of ``sp_extended_dir``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(sp_extended_dir), AutoTokenizer.from_pretrained(
+        sp_extended_dir / "base_tokenizer"
+    )

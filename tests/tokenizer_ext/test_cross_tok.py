@@ -30,15 +30,6 @@ def test_aligned_pairs_match_a_brute_force_search() -> None:
         assert cross_tok.aligned_pairs(ext, base) == want
 
 
-@pytest.fixture(scope="module")
-def tokenizers(sp_extended_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(sp_extended_dir), AutoTokenizer.from_pretrained(
-        sp_extended_dir / "base_tokenizer"
-    )
-
-
 def test_windows_align_where_both_models_read_the_same_text(tokenizers: tuple[Any, Any], corpus: Any) -> None:
     """At every pair both prefixes decode to the same text; the window fits seq_len; the new
     pieces make the extended side shorter, so some base positions have no partner."""

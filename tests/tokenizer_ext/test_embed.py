@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.tokenizer_ext.conftest import make_ctx, tiny_llama
+from tests.tokenizer_ext.conftest import make_ctx, with_model
 from tokenizer_ext import embed
 from tokenizer_ext.stages import EmbedParams
 
@@ -90,11 +89,7 @@ def test_random_init_follows_base_statistics() -> None:
 
 
 def test_tied_embeddings(tmp_path: Path, sp_extended_dir: Path, corpus: Any) -> None:
-    src = tmp_path / "tied"
-    shutil.copytree(sp_extended_dir, src)
-    for f in ("model.safetensors", "config.json"):
-        (src / f).unlink()
-    tiny_llama(src, 32000, tie=True)
+    src = with_model(sp_extended_dir, tmp_path / "tied", tie=True)
     ctx = make_ctx(tmp_path, src, corpus, "embed")
     metrics = embed.run(ctx, EmbedParams(eval_docs=2, eval_max_length=32, domain_eval=[]))
     assert metrics["tied"] is True

@@ -149,7 +149,9 @@ def from_dict(cls: type, data: Any, path: str, problems: list[Problem]) -> Any:
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         fpath = f"{prefix}{name}"
-        if name not in data:
+        # a nested section given as null (``fit: null``) keeps this field's default, not its
+        # class's: the default factory may switch it off
+        if name not in data or (data[name] is None and dataclasses.is_dataclass(hints[name])):
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 problems.append(f"{fpath}: required, missing")
             continue

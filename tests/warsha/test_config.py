@@ -60,6 +60,16 @@ def test_floats_in_exponent_form_are_floats() -> None:
     assert any("train.lr: expected float, got str '5e-x'" in p for p in problems_of(bad))
 
 
+def test_a_null_section_keeps_the_fields_default() -> None:
+    """``fit: null`` in embed means its default (no fit), not a fresh ``TrainParams()`` (100 steps)."""
+    from tokenizer_ext.stages import EmbedParams
+    from warsha.schema import from_dict
+
+    problems: list[str] = []
+    params = from_dict(EmbedParams, {"fit": None}, "params", problems)
+    assert problems == [] and params.fit.steps == EmbedParams().fit.steps == 0
+
+
 def test_cross_field_validation_runs_per_object() -> None:
     data = tiny_recipe(num_heads=3)
     assert any("num_heads: must divide hidden_size" in p for p in problems_of(data))

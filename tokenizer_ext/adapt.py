@@ -365,6 +365,7 @@ def _train_qlora(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
         bf16=p.train.bf16,
         seed=ctx.seed,
         layers=p.lora_layers,
+        quantize=p.quantize_base,
     )
     trainable, total = qlora.trainable_count(model)
     trainer = Trainer(

@@ -50,8 +50,14 @@ def load(
     bf16: bool | None = None,
     seed: int | None = None,
     layers: list[int] | None = None,
+    quantize: bool = True,
 ) -> Any:
     """The 4-bit base wrapped in a LoRA model with the new rows (or matrices) trainable.
+
+    ``quantize=False`` keeps the base unquantized (float32; autocast still does bf16 math where
+    it is fast): plain LoRA, whose adapter is then merged into the very weights it trained
+    against. QLoRA's adapter also learns to offset the NF4 rounding of the text it sees, and
+    merged into the unquantized weights that offset is an error (docs/adaptation.md).
 
     ``layers`` restricts LoRA to those decoder layers (all when None): tuning few layers, e.g. the
     first and last two (Yamaguchi et al. 2024), moves less of what the base knows.
@@ -63,18 +69,21 @@ def load(
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    check_shapes(model_dir)
     from warsha.precision import compute_dtype
 
-    dtype = compute_dtype(bf16, "auto")  # the training's choice; by default bf16 only where it is fast
-    bnb = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=double_quant,
-        bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_quant_storage=dtype,
-    )
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=dtype)
+    if quantize:
+        check_shapes(model_dir)
+        dtype = compute_dtype(bf16, "auto")  # the training's choice; by default bf16 only where it is fast
+        bnb = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = lora_config(new_ids, tied, r, alpha, dropout, full_embeddings, layers, model)
     if seed is not None:
         torch.manual_seed(seed)

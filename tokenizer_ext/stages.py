@@ -149,6 +149,13 @@ class AdaptParams(DomainEval):
     lora_alpha: int = field(default=32, metadata=check(ge(1)))
     lora_dropout: float = field(default=0.0, metadata=check(ge(0.0), le(0.9)))
     double_quant: bool = field(default=True, metadata=check(help="NF4 double quantization of the scales"))
+    quantize_base: bool = field(
+        default=True,
+        metadata=check(
+            help="qlora: the frozen base in NF4 (QLoRA); false: LoRA on the unquantized base, the weights the"
+            " adapter is merged into (more memory; no NF4 offset merged into them: docs/adaptation.md)"
+        ),
+    )
     full_embeddings: bool = field(
         default=False, metadata=check(help="qlora: train whole embedding and LM head instead of the new rows")
     )

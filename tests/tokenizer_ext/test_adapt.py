@@ -381,3 +381,25 @@ def _replay_params(**kw: Any) -> AdaptParams:
     """Two tiny steps of 4 sequences with replay, scored on one document: what the replay tests vary."""
     fixed: dict[str, Any] = dict(replay_top_k=4, eval_docs=1, eval_max_length=32, gen_tokens=0, train_docs=20)
     return AdaptParams(train=TrainParams(**{**TINY, "batch_size": 4}), domain_eval=[], **{**fixed, **kw})
+
+
+def test_lora_on_the_unquantized_base(tmp_path: Path, sp_embedded_dir: Path, corpus: Any) -> None:
+    """``quantize_base: false``: the adapter trains on the float32 weights it is merged into, so
+    the curve at step 0 (LoRA's B is zero) is the unquantized model's bits/char, which the NF4
+    base does not give."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenizer_ext import quality
+
+    tok = AutoTokenizer.from_pretrained(sp_embedded_dir)
+    plain = AutoModelForCausalLM.from_pretrained(sp_embedded_dir, dtype=torch.float32)
+    want = quality.bits_per_char(plain, tok, corpus, 2, 32, set_eval=False)["ar"]
+    step0 = {}
+    for quantize in (False, True):
+        ctx = make_ctx(tmp_path, sp_embedded_dir, corpus, f"adapt{quantize}")
+        train = TrainParams(**{**TINY, "steps": 1, "eval_every": 1, "bf16": False})
+        p = AdaptParams(domain_eval=[], train=train, compare_base=False, eval_docs=2, eval_max_length=32,
+                        gen_tokens=0, train_docs=20, quantize_base=quantize)  # fmt: skip
+        step0[quantize] = adapt.run(ctx, p)["extended"]["bits_per_char_curve"][0]["ar"]
+    assert step0[False] == pytest.approx(want, rel=1e-5)
+    assert abs(step0[True] - want) > 1e-4 * want

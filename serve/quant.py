@@ -279,7 +279,7 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear in the weight's dtype (float32 compute or the prepacked weight where they apply)."""
         rows = x.numel() // self.in_features
-        if x.dtype == torch.bfloat16 and rows <= self.kernel_max_rows:
+        if x.dtype == torch.bfloat16 and 0 < rows <= self.kernel_max_rows:
             return self._kernel(x, rows)
         if self.weight32 is not None and x.dtype == torch.bfloat16 and rows >= self.upcast_min_rows:
             return self._upcast(x, rows)

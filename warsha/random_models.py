@@ -151,7 +151,9 @@ def make_tinyllama(path: Path, dtype: torch.dtype = torch.bfloat16, init_device:
 
 def make_layer_skip_draft(target: Path, path: Path, num_layers: int = 1) -> Path:
     """A draft made of the target's first `num_layers` layers (same embeddings, head, tokenizer)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from serve.weights import load_state_dict
 
     path.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -162,7 +164,7 @@ def make_layer_skip_draft(target: Path, path: Path, num_layers: int = 1) -> Path
     if cfg.get("layer_types"):
         cfg["layer_types"] = cfg["layer_types"][:num_layers]
     (path / "config.json").write_text(json.dumps(cfg))
-    state = load_file(str(target / "model.safetensors"))
+    state = load_state_dict(target)  # one file or shards (a 1.1B float32 target is saved in 2 GB shards)
     keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
     save_file(keep, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
@@ -174,15 +176,16 @@ def gptq_pair(base: Path, out: Path, group_size: int = 32) -> tuple[Path, Path]:
     Every `*_proj` linear is rounded to nearest on an asymmetric 4-bit grid and packed by
     `quantize`'s own GPTQ packer; the twin holds the float32 weights those codes stand for, so
     transformers on the twin is the reference for an int4 engine."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from quantize.pack import pack_gptq
     from quantize.quantizer import QuantSpec, quantize_rtn
+    from serve.weights import load_state_dict
 
     spec = QuantSpec(bits=4, group_size=group_size, sym=False)
     qdir, ddir = out / "q", out / "deq"
     qstate, dstate = {}, {}
-    for name, tensor in load_file(str(base / "model.safetensors")).items():
+    for name, tensor in load_state_dict(base).items():
         module = name[: -len(".weight")]
         if name.endswith("_proj.weight"):
             ql = quantize_rtn(tensor.float(), spec)

@@ -1,8 +1,11 @@
-"""Part `kernels`: serve's Triton kernel tests, run by pytest in a subprocess.
+"""Part `kernels`: serve's Triton kernel tests, run by pytest in subprocesses.
 
-On CUDA the kernels compile for the GPU and both default and slow cases run (`-m "slow or not
-slow"`); on CPU they run under Triton's interpreter, default cases only (the slow product takes
-hours there). `--quick` keeps the int4 GEMM tests alone. Verdicts come from pytest's JUnit XML.
+One pytest run per test module for the default cases, each its own check, then (on CUDA) the
+slow cases (`-m slow`: the full fp32/bf16 x 3-seed product) as the last check, so a part stopped
+at its time limit keeps the modules it finished. On CUDA the kernels compile for the GPU; on CPU
+they run under Triton's interpreter, default cases only (the slow product takes hours there).
+`--quick` keeps the int4 GEMM tests alone. pytest's output streams into the part's log as it
+runs; verdicts come from pytest's JUnit XML.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections import deque
 from pathlib import Path
 
 from benchmarks.gpu_check.common import PartResult, part_main
@@ -24,16 +28,10 @@ def test_files(quick: bool) -> list[str]:
     return [f for f in files if f.endswith("test_triton_int4.py")] if quick else files
 
 
-def run(result: PartResult, args: argparse.Namespace) -> None:
-    xml = args.workdir / "junit.xml"
-    marks = "slow or not slow" if result.device == "cuda" else "not slow"
-    if result.device != "cuda":
-        result.skip("slow kernel cases", "the full fp32/bf16 x 3-seed product takes hours under the interpreter")
-    files = test_files(args.quick)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", marks, f"--junitxml={xml}", *files]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+def junit_counts(xml: Path) -> tuple[dict[str, int], list[str]]:
+    """(passed/failed/skipped counts, failed test ids) from a JUnit XML file, zeros if absent."""
     counts = {"passed": 0, "failed": 0, "skipped": 0}
-    failures = []
+    failures: list[str] = []
     if xml.is_file():
         for case in ET.parse(xml).getroot().iter("testcase"):
             kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
@@ -41,9 +39,34 @@ def run(result: PartResult, args: argparse.Namespace) -> None:
             counts[key] += 1
             if key == "failed":
                 failures.append(f"{case.get('classname')}::{case.get('name')}")
+    return counts, failures
+
+
+def run_pytest(result: PartResult, files: list[str], marks: str, xml: Path) -> None:
+    """One pytest run, its output echoed line by line (the part's log shows progress), as one check."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=5", "-m", marks, f"--junitxml={xml}", *files]
+    tail: deque[str] = deque(maxlen=30)
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            tail.append(line.rstrip())
+    counts, failures = junit_counts(xml)
     ok = proc.returncode == 0 and counts["passed"] > 0
-    result.add(f"pytest {' '.join(Path(f).name for f in files)} -m '{marks}'", ok, **counts, failures=failures[:20],
-               tail=proc.stdout[-1500:] if not ok else proc.stdout.strip().splitlines()[-1:])  # fmt: skip
+    last = [ln for ln in tail if ln.strip()][-1:]
+    result.add(f"pytest {' '.join(Path(f).name for f in files)} -m '{marks}'", ok, **counts,
+               failures=failures[:20], tail=list(tail)[-20:] if not ok else last)  # fmt: skip
+
+
+def run(result: PartResult, args: argparse.Namespace) -> None:
+    cuda = result.device == "cuda"
+    if not cuda:
+        result.skip("slow kernel cases", "the full fp32/bf16 x 3-seed product takes hours under the interpreter")
+    files = test_files(args.quick)
+    for i, f in enumerate(files):
+        run_pytest(result, [f], "not slow", args.workdir / f"junit-{i}.xml")
+    if cuda:
+        run_pytest(result, files, "slow", args.workdir / "junit-slow.xml")
 
 
 if __name__ == "__main__":

@@ -47,15 +47,17 @@ def step_bytes(model_dir: Path) -> int:
     """Bytes a batch-1 decode step reads: every tensor but the embedding table."""
     from safetensors import safe_open
 
+    from serve.weights import checkpoint_files
+
     total = 0
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-            if name != "model.embed_tokens.weight":
-                t = f.get_slice(name)
-                n = 1
-                for d in t.get_shape():
-                    n *= d
-                total += n * 2  # bf16
+    for path in checkpoint_files(model_dir):  # one file or the shards its index lists
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if name != "model.embed_tokens.weight":
+                    n = 1
+                    for d in f.get_slice(name).get_shape():
+                        n *= d
+                    total += n * 2  # bf16
     return total
 
 

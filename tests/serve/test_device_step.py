@@ -69,9 +69,10 @@ def _params() -> list[SamplingParams]:
     ]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_meta_device_step_builds_nothing_on_the_host(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every step of a workload that takes every scheduler path: no CPU tensor op outside staging,
     no failed request, every request generates its tokens."""
@@ -83,7 +84,7 @@ def test_meta_device_step_builds_nothing_on_the_host(
     config = ModelConfig.from_dir(target)
     ps = prompts(WORKLOAD, config.vocab_size)
     blocks = pool_blocks(WORKLOAD, len(ps[-1]), layout_for(config.layer_windows).group_windows)
-    kwargs = engine_kwargs(WORKLOAD, blocks, device="meta", dtype="float32", prompt_lookup_max=3)
+    kwargs = engine_kwargs(WORKLOAD, blocks, device="meta", dtype=dtype, prompt_lookup_max=3)
     llm = LLM(target, draft, **kwargs)
     watch = HostTensorWatch()
     with watch:

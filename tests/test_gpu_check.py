@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +49,33 @@ def test_decode_rate_subtracts_the_prefill_run() -> None:
 
     assert decode_rate(run, n=256) == 500.0
     assert calls[0] == 8 and set(calls[1:]) == {1, 257}
+
+
+def test_a_part_stopped_while_exiting_keeps_its_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part whose checks all finished but whose process outlived its limit (CUDA teardown: the
+    first H200 run's validate part) keeps its verdict with a note; one stopped mid-work fails."""
+    import subprocess as sp
+
+    from benchmarks.gpu_check import __main__ as runner
+
+    class Stuck:
+        """A part process that wrote its result and then never exits."""
+
+        def __init__(self, cmd: list[str], **_: object) -> None:
+            self.pid = 0
+            self.json = Path(cmd[cmd.index("--json") + 1])
+            self.json.write_text(json.dumps({"part": "validate", "status": "pass", "checks": [], "finished": finished}))
+
+        def wait(self, timeout: float | None = None) -> int:
+            if timeout is not None:
+                raise sp.TimeoutExpired("part", timeout)
+            return -9
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Stuck)
+    monkeypatch.setattr(runner.os, "killpg", lambda pid, sig: None)
+    finished = True
+    done = runner.run_part("validate", tmp_path, quick=True, cuda=True)
+    assert done["status"] == "pass" and "still exiting" in done["note"]
+    finished = False
+    cut = runner.run_part("validate", tmp_path, quick=True, cuda=True)
+    assert cut["status"] == "fail" and "timed out" in cut["error"]

@@ -2,7 +2,7 @@
 
 `python -m benchmarks.gpu_check [--out DIR] [--parts kernels,engine,...] [--quick]`. Each part
 runs as `python -m benchmarks.gpu_check.<part>` in a subprocess under its own time limit; the
-limits add up to under 8 minutes on one GPU. Without CUDA every part runs what it can on the
+limits add up to under 9 minutes on one GPU. Without CUDA every part runs what it can on the
 CPU (Triton under its interpreter) and names each thing it skipped and why. Exit status 1 when
 any check failed, 0 otherwise (skips are not failures).
 """
@@ -22,14 +22,14 @@ from typing import Any
 from benchmarks.gpu_check.common import FAIL, environment
 from benchmarks.gpu_check.report import write_markdown
 
-# seconds per part on a GPU (the sum stays under the 8-minute budget) and on a CPU (generous:
-# a shared CI host can be many times slower than the few minutes the CPU mode takes alone)
+# seconds per part on a GPU (the sum stays under 9 minutes: one device call runs at most 10) and on
+# a CPU (generous: a shared CI host can be many times slower than the few minutes the CPU mode takes)
 PARTS: dict[str, tuple[int, int]] = {
     "kernels": (150, 1200),
-    "engine": (170, 1200),
+    "engine": (210, 1200),
     "speed": (110, 0),
     "train": (30, 1200),
-    "validate": (20, 1200),
+    "validate": (30, 1200),
 }
 CUDA_ONLY = {"speed": "TinyLlama-shape throughput and the HBM roofline"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +72,11 @@ def run_part(name: str, out: Path, quick: bool, cuda: bool) -> dict[str, Any]:
             rc = f"timed out after {limit} s"
     if result_file.is_file():
         result = json.loads(result_file.read_text())
-        if isinstance(rc, str):  # stopped at its limit: what it finished stands, the part fails
+        if isinstance(rc, str):
+            result["seconds"] = round(time.perf_counter() - start, 1)
+        if isinstance(rc, str) and result.get("finished"):  # its work was done: only the exit was slow
+            result["note"] = f"{rc}: every check had finished; the process was still exiting (CUDA teardown)"
+        elif isinstance(rc, str):  # stopped at its limit: what it finished stands, the part fails
             result.update(status=FAIL, error=f"{rc}; the checks listed finished before it")
         return result
     tail = log_file.read_text()[-3000:]

@@ -36,11 +36,17 @@ class PartResult:
     skipped: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    finished: bool = False  # set once the part's body returned or raised (its process may still be exiting)
     path: Path | None = field(default=None, repr=False)  # written after every change
+    started: float = field(default_factory=time.perf_counter, repr=False)
+    last: float = field(default_factory=time.perf_counter, repr=False)
 
     def add(self, name: str, ok: bool, **detail: Any) -> bool:
-        """Record a check (and save, so a part stopped at its time limit keeps what it did)."""
-        self.checks.append(Check(name, PASS if ok else FAIL, detail))
+        """Record a check with the seconds since the previous one (and save, so a part stopped at
+        its time limit keeps what it did)."""
+        now = time.perf_counter()
+        self.checks.append(Check(name, PASS if ok else FAIL, {**detail, "seconds": round(now - self.last, 1)}))
+        self.last = now
         self.save()
         return ok
 
@@ -63,7 +69,8 @@ class PartResult:
 
     def to_json(self) -> dict[str, Any]:
         out = {**asdict(self), "status": self.status}
-        out.pop("path")
+        for name in ("path", "started", "last"):
+            out.pop(name)
         return out
 
 
@@ -109,11 +116,11 @@ def part_main(name: str, body: Callable[[PartResult, argparse.Namespace], None])
     args.workdir.mkdir(parents=True, exist_ok=True)
     device = "cuda" if cuda_available() else "cpu"
     result = PartResult(name, device, path=args.json)
-    start = time.perf_counter()
     try:
         body(result, args)
     except Exception:  # noqa: BLE001 - the report says what broke; other parts go on
         result.error = traceback.format_exc()[-4000:]
-    result.seconds = round(time.perf_counter() - start, 1)
+    result.seconds = round(time.perf_counter() - result.started, 1)
+    result.finished = True
     result.save()
     print(f"[gpu-check] {name}: {result.status} in {result.seconds} s", flush=True)

@@ -5,12 +5,17 @@ slow cases (`-m slow`: the full fp32/bf16 x 3-seed product) as the last check, s
 at its time limit keeps the modules it finished. On CUDA the kernels compile for the GPU; on CPU
 they run under Triton's interpreter, default cases only (the slow product takes hours there).
 `--quick` keeps the int4 GEMM tests alone. pytest's output streams into the part's log as it
-runs; verdicts come from pytest's JUnit XML.
+runs; verdicts come from pytest's JUnit XML. On CUDA with pytest-xdist installed the tests run
+in up to 8 worker processes: compiling the kernels is most of the time there (the first H200
+run took 137 s for one module's 16 default cases in one process, a test of head size 256 up to
+35 s) and it is CPU work that spreads over the machine's cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -42,9 +47,18 @@ def junit_counts(xml: Path) -> tuple[dict[str, int], list[str]]:
     return counts, failures
 
 
-def run_pytest(result: PartResult, files: list[str], marks: str, xml: Path) -> None:
-    """One pytest run, its output echoed line by line (the part's log shows progress), as one check."""
+def workers(cuda: bool) -> int:
+    """pytest-xdist workers: up to 8 on CUDA where xdist is installed, else 0 (one process)."""
+    if not cuda or importlib.util.find_spec("xdist") is None:
+        return 0
+    return min(8, os.cpu_count() or 1)
+
+
+def run_pytest(result: PartResult, files: list[str], marks: str, xml: Path, n: int = 0) -> None:
+    """One pytest run (`n` xdist workers, 0 for none), its output echoed line by line (the part's
+    log shows progress), as one check."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=5", "-m", marks, f"--junitxml={xml}", *files]
+    cmd += ["-n", str(n)] if n else []
     tail: deque[str] = deque(maxlen=30)
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         assert proc.stdout is not None
@@ -62,11 +76,11 @@ def run(result: PartResult, args: argparse.Namespace) -> None:
     cuda = result.device == "cuda"
     if not cuda:
         result.skip("slow kernel cases", "the full fp32/bf16 x 3-seed product takes hours under the interpreter")
-    files = test_files(args.quick)
+    files, n = test_files(args.quick), workers(cuda)
     for i, f in enumerate(files):
-        run_pytest(result, [f], "not slow", args.workdir / f"junit-{i}.xml")
+        run_pytest(result, [f], "not slow", args.workdir / f"junit-{i}.xml", n)
     if cuda:
-        run_pytest(result, files, "slow", args.workdir / "junit-slow.xml")
+        run_pytest(result, files, "slow", args.workdir / "junit-slow.xml", n)
 
 
 if __name__ == "__main__":

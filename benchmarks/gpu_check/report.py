@@ -35,6 +35,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             lines.append(f"| {name} | {check['name']} | {check['status']} | `{_detail(check['detail'])}` |")
         if part.get("error"):
             lines.append(f"| {name} | error | fail | `{part['error'].strip().splitlines()[-1][:300]}` |")
+        if part.get("note"):
+            lines.append(f"| {name} | note | | {part['note']} |")
         skips += [f"- {name}: {s['what']}: {s['why']}" for s in part.get("skipped", [])]
     lines += ["", "## Skipped", ""] + (skips or ["- nothing"])
     path.write_text("\n".join(lines) + "\n")

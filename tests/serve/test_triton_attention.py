@@ -9,6 +9,7 @@ ratio) with mixed decode/prefill batches; the full product runs under `-m slow`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -67,9 +68,24 @@ def check_backend(block_size: int, dim: int, gqa: int, dtype: torch.dtype, seed:
     got = run_triton(case, block_size, scale)
     expected = torch_backend_output(case, block_size, scale)
     assert got.dtype == dtype and got.shape == case.q.shape
-    # bf16: one round-to-nearest of the output, at most half an ulp (2**-8 relative)
-    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-4, rtol=4e-3)
-    torch.testing.assert_close(got.float(), expected, **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        return
+    # bf16: the kernels' P @ V dot reads P in tf32 (10 mantissa bits: each probability off by less
+    # than 2**-10 of itself when truncated), so before the output's one bf16 rounding (at most
+    # half an ulp, 2**-8 of the value) an element can be off by 2**-10 * sum_j p_j |v_j|: the
+    # torch backend on |V| gives that sum. Bound: twice that term (margin), the rounding, 1e-4.
+    # The first compiled H200 run was off by up to 0.0022 on 0.4% of elements against a flat
+    # 1e-4 + 2**-8 |x|; a float64 model of the truncation stays within 0.87 of the unmargined bound.
+    mass = torch_backend_output(_abs_v(case), block_size, scale)
+    bound = 2**-9 * mass + 2**-8 * expected.abs() + 1e-4
+    excess = (got.float() - expected).abs() - bound
+    assert excess.max() <= 0, f"{int((excess > 0).sum())} elements past the bound, worst by {excess.max():.2e}"
+
+
+def _abs_v(case: PagedCase) -> PagedCase:
+    """`case` with |V| in the new values and the cache (NaN slots stay NaN)."""
+    return dataclasses.replace(case, v_new=case.v_new.abs(), v_cache=case.v_cache.abs())
 
 
 @pytest.mark.parametrize("block_size,dim,gqa", ALL_PAIRS)

@@ -99,7 +99,7 @@ test-slow: setup
 clean:
 	rm -rf runs
 
-# The GPU half in one command (benchmarks/gpu_check, docs/gpu.md): on one GPU under 8 minutes,
+# The GPU half in one command (benchmarks/gpu_check, docs/gpu.md): on one GPU within 9 minutes,
 # offline, with the machine's own python when there is no .venv (a GPU machine has no network to
 # build one); without CUDA it runs the parts it can and names every skip. Report: runs/gpu-check/.
 .PHONY: gpu-check

@@ -279,13 +279,15 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """F.linear in the weight's dtype (float32 compute or the prepacked weight where they apply)."""
         rows = x.numel() // self.in_features
-        if x.dtype == torch.bfloat16 and 0 < rows <= self.kernel_max_rows:
+        if rows == 0:  # a forward that samples no row: no kernel (CPU-only ones included) sees it
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if x.dtype == torch.bfloat16 and rows <= self.kernel_max_rows:
             return self._kernel(x, rows)
         if self.weight32 is not None and x.dtype == torch.bfloat16 and rows >= self.upcast_min_rows:
             return self._upcast(x, rows)
-        if x.dtype == torch.float32 and 0 < rows <= self.f32_kernel_max_rows:
+        if x.dtype == torch.float32 and rows <= self.f32_kernel_max_rows:
             return self._kernel_f32(x, rows)
-        if self.packed_f32 is not None and x.dtype == torch.float32 and 0 < rows <= PACKED_MAX_ROWS:
+        if self.packed_f32 is not None and x.dtype == torch.float32 and rows <= PACKED_MAX_ROWS:
             x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_f32, self.bias, "none", [], "")
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

@@ -114,6 +114,17 @@ def test_dense_linear_upcast_switches_by_rows() -> None:
     assert DenseLinear(w, upcast=False, use_kernels=False).kernel_max_rows == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("upcast,kernels", [(True, True), (False, True), (False, False), (True, False)])
+def test_dense_linear_empty_batch_is_empty_on_every_path(dtype: torch.dtype, upcast: bool, kernels: bool) -> None:
+    """A forward that samples no row hands the head 0 rows: every path returns [.., 0, N] in x's
+    dtype without calling a kernel (on CUDA the CPU decode kernel took them: the first H200 run)."""
+    lin = DenseLinear(torch.randn(48, 32).to(dtype), torch.randn(48).to(dtype), upcast=upcast, use_kernels=kernels)
+    for shape in ((0, 32), (2, 0, 32)):
+        y = lin(torch.empty(shape, dtype=dtype))
+        assert y.shape == (*shape[:-1], 48) and y.dtype == dtype
+
+
 def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

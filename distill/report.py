@@ -7,8 +7,12 @@ chooses the held-out data and lays out results.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from distill.draft_vocab import mask_outside
 
 if TYPE_CHECKING:
     from distill.stages import DraftParams
@@ -49,38 +53,54 @@ def measure(
     Arabic model is judged on Arabic, and the pooled figure hides which language it serves worse.
 
     With ``served_ids``, acceptance, the cost ratio and speculation use the drafts restricted to
-    those ids, as serve runs them (bits per character stay over the full vocabulary).
+    those ids, as serve runs them (bits per character stay over the full vocabulary)."""
+    from distill.data import encode_docs
+
+    served = served_ids or []
+    by_lang = {lang: [d[: p.eval_len] for d in encode_docs(tokenizer, ts)] for lang, ts in texts.items()}
+    out = _teacher_forced(ctx, p, target, models, tokenizer, texts, by_lang, served)
+    if served:
+        models = {k: mask_outside(m, served) for k, m in models.items()}
+    with decode_threads(p.decode_threads):
+        held_out = [d for docs in by_lang.values() for d in docs]
+        _decoding(ctx, p, target, models, held_out, out)
+    return out
+
+
+@contextlib.contextmanager
+def decode_threads(n: int) -> Iterator[None]:
+    """``n`` intra-op threads inside (0: leave the setting as it is), restored after.
 
     Batch-1 decoding of a small model is per-call overhead, not arithmetic: on a shared CPU a
-    second intra-op thread only adds synchronisation (measured several times slower), so the
-    measurements run with ``decode_threads`` threads and restore the setting afterwards."""
+    second intra-op thread only adds synchronisation (measured several times slower). The
+    teacher-forced scoring before it is arithmetic over whole documents and the 278k-row head,
+    and keeps every thread (at one thread it cost the real recipe's draft stage about 90 s)."""
     import torch
 
     before = torch.get_num_threads()
-    if p.decode_threads:
-        torch.set_num_threads(p.decode_threads)
+    if n:
+        torch.set_num_threads(n)
     try:
-        return _measure(ctx, p, target, models, tokenizer, texts, served_ids or [])
+        yield
     finally:
         torch.set_num_threads(before)
 
 
-def _measure(
+def _teacher_forced(
     ctx: "StageContext",
     p: "DraftParams",
     target: Any,
     models: dict[str, Any],
     tokenizer: Any,
     texts: dict[str, list[str]],
+    by_lang: dict[str, list[list[int]]],
     served_ids: list[int],
 ) -> dict[str, Any]:
-    from distill.data import encode_docs
-    from distill.draft_vocab import mask_outside
+    """Bits per character of every model and each draft's analytic acceptance, per language
+    (``by_lang``: the documents of ``texts`` encoded and cut to ``eval_len``)."""
     from warsha.evaluate import likelihood
-    from warsha.speculative import analytic_acceptance, measure_cost_ratio, plain_tokens_per_s
+    from warsha.speculative import analytic_acceptance
 
-    by_lang = {lang: [d[: p.eval_len] for d in encode_docs(tokenizer, ts)] for lang, ts in texts.items()}
-    held_out = [d for docs in by_lang.values() for d in docs]
     temps = sorted({0.0, 1.0, *p.spec_temperatures})
     out: dict[str, Any] = {
         "acceptance": {},
@@ -111,8 +131,21 @@ def _measure(
                 if k != "positions"
             }
     out["acceptance_over"] = f"{len(served_ids)} served ids" if served_ids else "full vocabulary"
-    if served_ids:
-        models = {k: mask_outside(m, served_ids) for k, m in models.items()}
+    return out
+
+
+def _decoding(
+    ctx: "StageContext",
+    p: "DraftParams",
+    target: Any,
+    models: dict[str, Any],
+    held_out: list[list[int]],
+    out: dict[str, Any],
+) -> None:
+    """The cost ratio, plain decoding speed and speculative runs (on prompts from ``held_out``),
+    written into ``out``."""
+    from warsha.speculative import measure_cost_ratio, plain_tokens_per_s
+
     out["cost"] = measure_cost_ratio(target, models["distilled"], context=p.spec_prompt_len + p.spec_new_tokens)
     prompts = spec_prompts(held_out, p.spec_prompts, p.spec_prompt_len)
     out["plain_tokens_per_s"] = {
@@ -122,7 +155,6 @@ def _measure(
     for name in ("distilled", "baseline" if "baseline" in models else "init"):
         if name in models:
             out["speculative"][name], out["speedup"][name] = _speculate(ctx, p, target, models[name], prompts, out)
-    return out
 
 
 def _speculate(

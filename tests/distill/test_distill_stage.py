@@ -209,3 +209,29 @@ def test_stages_module_imports_without_torch() -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert out.stdout.strip() == "False False"
+
+
+def test_only_decoding_runs_at_decode_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Teacher-forced scoring keeps every thread; the batch-1 decoding runs at ``decode_threads``;
+    the setting comes back afterwards, also when the decoding fails."""
+    import torch
+
+    from distill import report
+
+    seen: dict[str, int] = {}
+    monkeypatch.setattr(report, "_teacher_forced", lambda *a: seen.update(scored=torch.get_num_threads()) or {})
+
+    def decoding(*a: Any) -> None:
+        seen["decoded"] = torch.get_num_threads()
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(report, "_decoding", decoding)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="decode failed"):
+            report.measure(None, _params(decode_threads=1), None, {}, None, {})  # type: ignore[arg-type]
+        assert seen == {"scored": 2, "decoded": 1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

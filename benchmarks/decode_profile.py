@@ -99,8 +99,18 @@ def linear_bytes(llm: LLM) -> dict[str, int]:
         for part in ("qkv", "o", "gate_up", "down"):
             lin = getattr(layer, part)
             out[f"linear {part}"] += _read_bytes(lin)
-    out["lm head"] = llm.runner.target.lm_head.numel() * llm.runner.target.lm_head.element_size()
+    out["lm head"] = head_bytes(llm.runner.target)
     return dict(out)
+
+
+def head_bytes(target: Any) -> int:
+    """Bytes a greedy decode row reads from the LM head: the int8 rows and their scales where an
+    int8 head (`head_quant="int8"`) or the int8 screen (`serve.head_screen`, a large bf16 or
+    float32 head) serves it, else the head's own weight. Counting the bf16 weight for a screened
+    head showed it at twice the host's bandwidth."""
+    int8 = target.screen if getattr(target, "screen", None) is not None else target.head
+    parts = [int8.q, int8.scale] if hasattr(int8, "q") else [target.lm_head]
+    return sum(t.numel() * t.element_size() for t in parts)
 
 
 def _read_bytes(lin: Any) -> int:

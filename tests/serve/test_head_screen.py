@@ -223,3 +223,19 @@ def test_a_flat_head_takes_the_whole_head_and_stops_paying() -> None:
         got = screen.logits(x)
         assert int(got.argmax()) == 0 and torch.equal(got, _whole(x, w))
     assert screen.flat == 40 and not screen.pays
+
+
+def test_decode_profile_counts_the_bytes_a_greedy_row_reads(big_vocab: Path) -> None:
+    """`benchmarks.decode_profile` sets each part's time against the bytes it reads: a screened
+    or int8 head reads its int8 rows and their float32 scales, a plain one its bf16 weight."""
+    from benchmarks.decode_profile import head_bytes
+
+    def target(**kw: object) -> object:
+        return LLM(big_vocab, dtype="bfloat16", **kw).runner.target  # type: ignore[arg-type]
+
+    plain = target(head_screen=False)
+    rows, k = plain.lm_head.shape
+    assert head_bytes(plain) == rows * k * 2
+    screened = target()  # no screen under avx2 on a native-bf16 CPU (oneDNN runs bf16 heads there)
+    assert head_bytes(screened) == (rows * k + rows * 4 if screened.screen is not None else rows * k * 2)
+    assert head_bytes(target(head_quant="int8", head_screen=False)) == rows * k + rows * 4

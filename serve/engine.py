@@ -315,7 +315,10 @@ class LLM:
         running = self.scheduler.running
         decoding = [s for s in running if s.is_decoding]
         eligible = [s.request_id for s in decoding if s.spec_allowed]
-        plan = self.spec.plan(eligible, len(decoding)) if self.spec and eligible else {}
+        sched = self.scheduler
+        admits = bool(sched.waiting) and len(running) < sched.config.max_num_seqs
+        timed = len(decoding) == len(running) and not admits  # decode-only: the switch times it
+        plan = self.spec.plan(eligible, len(decoding), timed) if self.spec and eligible else {}
         for seq in running:
             seq.spec_window = plan.get(seq.request_id, 0)
         return max(plan.values(), default=0)

@@ -112,6 +112,8 @@ class _Timing:
     steps: int = 0
     probe_left: int = 0  # steps of the current probe still to run
     probe_spec: bool = False  # the mode being probed
+    next_probe: int = 0  # the step count at which the next probe starts (0: not scheduled yet)
+    spec_interval: int = 0  # steps to the next probe of speculation while it loses (backs off)
 
 
 @dataclass
@@ -122,6 +124,10 @@ class SpecController:
     bucket it explores (speculating first, the optimistic choice); afterwards it speculates only
     where predicted speedup >= 1, and every `probe_every` steps tries the other mode for
     `probe_steps` steps so the decision follows changes in load and acceptance. A probe of
+    speculation that leaves the decision at plain doubles the interval to the next one, up to
+    `max_probe_every`, and a decision for speculation resets it: where speculation keeps losing
+    (a batch of 4 on two cores, where a verification row costs what a decoded one does) its
+    probes cost 2.7x a plain step each and, at a fixed interval, 2% of the run. A probe of
     speculation lasts two steps because its first step feeds the draft the tokens it missed and
     is not timed: with one-step probes the speculative timing was never refreshed, and a couple
     of early slow samples could keep a run plain for good. A probe of plain decoding is one step
@@ -140,6 +146,7 @@ class SpecController:
     k: int
     adaptive: bool = True
     probe_every: int = 32
+    max_probe_every: int = 256
     probe_steps: int = 2
     probe_window: int = 1
     min_samples: int = 2
@@ -173,10 +180,13 @@ class SpecController:
             return True
         return self._mode(batch_size, lambda: self.predicted_speedup(batch_size) >= 1.0) != "plain"
 
-    def plan(self, request_ids: list[str], batch_size: int) -> dict[str, int]:
+    def plan(self, request_ids: list[str], batch_size: int, timed: bool = True) -> dict[str, int]:
         """Draft window of each speculation-eligible decoding request this step (0: plain).
 
-        `batch_size` counts every decoding request (it picks the timing bucket). Exploration
+        `batch_size` counts every decoding request (it picks the timing bucket); `timed` is False
+        for a step that also prefills, which the switch does not time: such a step does not
+        explore (it would pay for speculation and learn nothing; a bucket of 2-3 decoding
+        requests may only ever occur beside a prefill, and explored in every one). Exploration
         gives every request the full window, a probe of speculation `probe_window` tokens (it
         is there to time a speculative step and refresh acceptance, and a long window is what
         a probe of a losing draft can least afford); otherwise each request's window comes from
@@ -190,27 +200,33 @@ class SpecController:
             planned.update(self.windows.plan(request_ids, self.step_cost(batch_size), batch_size))
             return any(planned.values())
 
-        mode = self._mode(batch_size, wins)
+        mode = self._mode(batch_size, wins, timed)
         if mode == "plan":
             return planned
         window = {"explore": self.k, "probe": min(self.k, self.probe_window), "plain": 0}[mode]
         return dict.fromkeys(request_ids, window)
 
-    def _mode(self, batch_size: int, wins: Callable[[], bool]) -> str:
+    def _mode(self, batch_size: int, wins: Callable[[], bool], timed: bool = True) -> str:
         """ "explore" or "probe" (speculate), "plain", or "plan" (speculate as `wins()` planned).
 
-        `wins()` decides unless exploring or probing forces a mode."""
+        `wins()` decides unless exploring or probing forces a mode; an untimed step (`plan`)
+        does not explore."""
         t = self.timings.setdefault(_bucket(batch_size), _Timing())
         t.steps += 1
         if t.spec_samples < self.min_samples:
-            return "explore"
+            return "explore" if timed else "plain"
         if t.plain_samples < self.min_samples:
             return "plain"
         if t.probe_left > 0:
             t.probe_left -= 1
             return "probe" if t.probe_spec else "plain"
         won = wins()
-        if t.steps % self.probe_every == 0:
+        if won or not t.spec_interval:
+            t.spec_interval = self.probe_every
+        if t.steps >= (t.next_probe or self.probe_every):
+            t.next_probe = t.steps + (self.probe_every if won else t.spec_interval)
+            if not won:  # the next probe of a losing speculation waits twice as long
+                t.spec_interval = min(2 * t.spec_interval, self.max_probe_every)
             t.probe_spec, t.probe_left = not won, 0 if won else self.probe_steps - 1
             return "plain" if won else "probe"
         return "plan" if won else "plain"

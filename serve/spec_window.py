@@ -69,6 +69,13 @@ class WindowPlanner:
     window 0 on a handful of decayed observations, often during a short stretch its draft
     misses, and only a probe can bring it back, while a request whose draft keeps failing soon
     pays for a probe only once in `probe_every` steps.
+
+    A probe rides on a step that speculates anyway. On a step that would otherwise be plain it
+    runs only where it is expected to pay for itself with the engine's acceptance standing in
+    for the probed request's: a step with drafts leaves the single-token decode kernels, and at
+    a batch of 4 on a 2-core CPU one probing request made the step 1.3x dearer and four of them
+    (requests admitted together probe together) 2.7x, for half a token each (docs/results.md).
+    A probe that does not pay waits for the next speculating step.
     """
 
     k: int
@@ -111,16 +118,33 @@ class WindowPlanner:
         the mean window is taken; requests not allowed to speculate count in it at window 0."""
         windows = best_windows([self.rates(r) for r in request_ids], cost, batch_size)
         plan = dict(zip(request_ids, windows))
+        due = []
         for rid in request_ids:
             if plan[rid] > 0:
                 self.idle[rid], self.interval[rid] = 0, self.probe_first
                 continue
             self.idle[rid] = self.idle.get(rid, 0) + 1
-            interval = self.interval.get(rid, self.probe_first)
-            if self.idle[rid] >= interval:
-                plan[rid], self.idle[rid] = min(self.k, self.probe_window), 0
-                self.interval[rid] = min(2 * interval, self.probe_every)
+            if self.idle[rid] >= self.interval.get(rid, self.probe_first):
+                due.append(rid)
+        speculating = any(windows)
+        window = min(self.k, self.probe_window)
+        take = len(due) if speculating else self.probes_that_pay(len(due), window, cost, batch_size or len(request_ids))
+        for rid in due[:take]:
+            plan[rid], self.idle[rid] = window, 0
+            self.interval[rid] = min(2 * self.interval.get(rid, self.probe_first), self.probe_every)
         return plan
+
+    def probes_that_pay(self, due: int, window: int, cost: StepCost, batch_size: int) -> int:
+        """How many of `due` probes of `window` tokens to run on an otherwise plain step of
+        `batch_size` requests: the count whose expected tokens per unit cost, at the engine's
+        acceptance, beat plain decoding most (0 where none does)."""
+        gain = sum(reaches(self.engine.rates([1.0] * self.k, 1.0)[:window]))
+        best, best_rate = 0, 1.0
+        for m in range(1, due + 1):
+            rate = (batch_size + m * gain) / batch_size / cost(m * window / batch_size)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return best
 
 
 def best_windows(rates: list[list[float]], cost: StepCost, batch_size: int | None = None) -> list[int]:
@@ -135,12 +159,7 @@ def best_windows(rates: list[list[float]], cost: StepCost, batch_size: int | Non
     if not rates:
         return []
     batch = max(batch_size or 0, len(rates))
-    gains = []
-    for row, a in enumerate(rates):
-        reach = 1.0
-        for rate in a:
-            reach *= rate
-            gains.append((reach, row))
+    gains = [(reach, row) for row, a in enumerate(rates) for reach in reaches(a)]
     gains.sort(key=lambda g: -g[0])
     best_n, best_rate, tokens = 0, float(batch), float(batch)
     for n, (gain, _) in enumerate(gains, start=1):
@@ -152,6 +171,16 @@ def best_windows(rates: list[list[float]], cost: StepCost, batch_size: int | Non
     for _, row in gains[:best_n]:
         windows[row] += 1
     return windows
+
+
+def reaches(rates: list[float]) -> list[float]:
+    """prod_{i<=j} a_i for each depth j: the chance draft token j is accepted, and the tokens it
+    adds to a step's expected output (a request's gains, shrinking with depth)."""
+    out, reach = [], 1.0
+    for rate in rates:
+        reach *= rate
+        out.append(reach)
+    return out
 
 
 def linear_cost(per_token: float, fixed: float = 0.0) -> StepCost:

@@ -155,8 +155,28 @@ def test_planner_turns_a_failing_request_off_and_probes_it() -> None:
     assert planner.plan(["c"], linear_cost(0.2))["c"] > 0  # a new request starts from the engine's record (half held)
 
 
+def test_planner_probes_a_plain_step_only_where_the_probe_pays() -> None:
+    """On a step no request speculates in, due probes run only if, at the engine's acceptance,
+    they beat plain decoding; otherwise they wait and ride on the next speculating step."""
+    planner = WindowPlanner(k=4, probe_first=2, probe_every=8)
+    for rid in "abcd":
+        for _ in range(6):
+            planner.observe(rid, 4, 0)  # every draft fails: plain
+    for _ in range(8):
+        planner.observe("e", 1, 1)  # the engine's record: first tokens mostly accepted
+    rate = planner.engine.rates([1.0] * 4, 1.0)[0]
+    dear = [planner.plan(list("abcd"), linear_cost(1.0), 4) for _ in range(2)]  # a draft token: a step
+    assert all(w == dict.fromkeys("abcd", 0) for w in dear) and planner.idle["a"] == 2  # due, not run
+    cheap = planner.plan(list("abcd"), linear_cost(0.3), 4)  # probes pay at acceptance `rate`
+    assert rate > 0.3 and cheap == dict.fromkeys("abcd", 1) and planner.idle["a"] == 0
+    assert planner.probes_that_pay(4, 1, linear_cost(1.0), 4) == 0
+    # a probe costs 0.2 / 4 of a step for rate / 4 more tokens: each one pays
+    assert planner.probes_that_pay(4, 1, linear_cost(0.2), 4) == 4
+
+
 def test_controller_plan_explores_then_plans_per_request() -> None:
     ctl = SpecController(k=4, min_samples=1, probe_every=1000)
+    assert ctl.plan(["a", "b"], 2, timed=False) == {"a": 0, "b": 0}  # beside a prefill: no exploring
     assert ctl.plan(["a", "b"], 2) == {"a": 4, "b": 4}  # explore speculation
     ctl.record_spec(2, seconds=1.4, proposed=8, accepted=4)
     assert ctl.plan(["a", "b"], 2) == {"a": 0, "b": 0}  # then plain
@@ -207,4 +227,20 @@ def test_controller_probes_a_losing_draft_with_a_short_window() -> None:
     for _ in range(8):
         ctl.observe("a", 4, 0)
     windows = [ctl.plan(["a"], 1)["a"] for _ in range(8)]
-    assert windows == [0, 0, 0, 1, 1, 0, 0, 1]  # every 4th step a probe of 2 steps, 1 token each
+    assert windows == [0, 0, 0, 1, 1, 0, 0, 1]  # a probe of 2 steps, 1 token each, after 4 steps
+
+
+def test_controller_backs_off_probes_of_a_losing_draft_and_resets_when_it_wins() -> None:
+    ctl = SpecController(k=4, min_samples=1, probe_every=4, max_probe_every=16, probe_steps=2)
+    ctl.windows.probe_first = ctl.windows.probe_every = 1000  # the engine's probes alone
+    ctl.record_spec(1, seconds=3.0, proposed=4, accepted=0)
+    ctl.record_plain(1, seconds=1.0)
+    for _ in range(8):
+        ctl.observe("a", 4, 0)
+    windows = [ctl.plan(["a"], 1)["a"] for _ in range(60)]
+    starts = [i + 1 for i, w in enumerate(windows) if w and not (i and windows[i - 1])]
+    assert starts == [4, 8, 16, 32, 48]  # intervals 4, 8, 16, then capped at 16
+    for _ in range(20):  # the draft now follows the text and a speculative step is cheap
+        ctl.observe("a", 4, 4)
+        ctl.record_spec(1, seconds=1.1, proposed=4, accepted=4)
+    assert ctl.plan(["a"], 1)["a"] > 0 and ctl.timings[1].spec_interval == 4

@@ -29,6 +29,7 @@ from serve.sampler import Sampler, SamplingParams
 from serve.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from serve.sequence import Sequence, SequenceStatus
 from serve.spec_decode import SpecController
+from serve.spec_window import source_key
 from serve.stats import EngineStats
 from serve.tokenizer import Tokenizer, first_vocab_difference
 from serve.weights import DRAFT_VOCAB_FILE, read_draft_vocab
@@ -318,9 +319,10 @@ class LLM:
         sched = self.scheduler
         admits = bool(sched.waiting) and len(running) < sched.config.max_num_seqs
         timed = len(decoding) == len(running) and not admits  # decode-only: the switch times it
-        plan = self.spec.plan(eligible, len(decoding), timed) if self.spec and eligible else {}
+        keys = {s.request_id: source_key(s.request_id, self.runner.looks_up(s)) for s in decoding if s.spec_allowed}
+        plan = self.spec.plan([keys[r] for r in eligible], len(decoding), timed) if self.spec and eligible else {}
         for seq in running:
-            seq.spec_window = plan.get(seq.request_id, 0)
+            seq.spec_window = plan.get(keys.get(seq.request_id, ""), 0)
         return max(plan.values(), default=0)
 
     def _isolate(self, seqs: list[Sequence], cause: Exception) -> list[RequestOutput]:
@@ -392,7 +394,7 @@ class LLM:
                 seq.draft_num_computed_tokens = min(n - 1 + k, n + m)
             out[row] = [(t, None) for t in emitted[j][1 : m + 2]]
             if self.spec is not None:
-                self.spec.observe(seq.request_id, k, m)
+                self.spec.observe(source_key(seq.request_id, looked_up), k, m)
             self.stats.spec_proposed += k
             self.stats.spec_accepted += m
             self.stats.spec_verifications += 1
@@ -542,7 +544,8 @@ class LLM:
             if proposal is not None:
                 proposed, accepted = self._step_spec
                 steady = self.runner.last_draft_catch_up <= 2  # 1 normally, 2 after all drafts were accepted
-                self.spec.record_spec(len(batch.seqs), seconds if steady else None, proposed, accepted)
+                lookup_only = bool(proposal.looked_up) and all(proposal.looked_up)
+                self.spec.record_spec(len(batch.seqs), seconds if steady else None, proposed, accepted, lookup_only)
             else:
                 self.spec.record_plain(len(batch.seqs), seconds)
 

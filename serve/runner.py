@@ -113,12 +113,25 @@ class ModelRunner:
 
     def _look_up(self, batch: ScheduledBatch, rows: list[int]) -> dict[int, list[int]]:
         """Row -> tokens copied from its own context, for rows where a lookup finds any."""
-        if self.lookup_sizes is None:
-            return {}
-        if self.draft is not None:  # beside a draft model, only where lookups have paid as well
-            rows = [i for i in rows if batch.seqs[i].draft_sources.prefers_lookup()]
-        found = {i: lookup(batch.seqs[i].token_ids, batch.num_spec_tokens[i], *self.lookup_sizes) for i in rows}
+        rows = [i for i in rows if self._may_look_up(batch.seqs[i])]
+        found = {i: self._lookup(batch.seqs[i], batch.num_spec_tokens[i]) for i in rows}
         return {i: toks for i, toks in found.items() if toks}
+
+    def _may_look_up(self, seq: Sequence) -> bool:
+        """Whether `seq` tries a lookup at all: lookup is on and, beside a draft model, has paid
+        for this request at least as well."""
+        return self.lookup_sizes is not None and (self.draft is None or seq.draft_sources.prefers_lookup())
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        """Up to `k` tokens a prompt lookup copies from `seq`'s context (none where it finds none)."""
+        assert self.lookup_sizes is not None
+        return lookup(seq.token_ids, k, *self.lookup_sizes)
+
+    def looks_up(self, seq: Sequence) -> bool:
+        """Whether prompt lookup, not the draft model, would propose for `seq` this step (a
+        lookup that finds an n-gram finds it at any window): the engine plans its window from
+        the lookup's own acceptance record then."""
+        return self._may_look_up(seq) and bool(self._lookup(seq, 1))
 
     def _draft_catch_up(self, batch: ScheduledBatch, model_rows: list[int]) -> torch.Tensor | None:
         """One draft forward over prefill chunks and each model row's missed tokens; the logits

@@ -26,7 +26,7 @@ import torch
 
 from serve.sampler import sample, uniform_noise
 from serve.spec_cost import RecentMedian, StepCostTable
-from serve.spec_window import StepCost, WindowPlanner
+from serve.spec_window import StepCost, WindowPlanner, is_lookup_key
 
 
 @dataclass
@@ -105,7 +105,8 @@ class _Timing:
     plain: float | None = None  # the median of recent plain steps (`plain_recent`)
     spec: float | None = None  # smoothed speculative step (what `predicted_speedup` compares)
     window: float | None = None  # mean tokens drafted per sequence in the timed speculative steps
-    costs: StepCostTable = field(default_factory=StepCostTable)
+    costs: StepCostTable = field(default_factory=StepCostTable)  # steps in which the draft model ran
+    lookup_costs: StepCostTable = field(default_factory=StepCostTable)  # steps of prompt lookups alone
     plain_recent: RecentMedian = field(default_factory=RecentMedian)
     plain_samples: int = 0
     spec_samples: int = 0
@@ -197,7 +198,8 @@ class SpecController:
         planned: dict[str, int] = {}
 
         def wins() -> bool:
-            planned.update(self.windows.plan(request_ids, self.step_cost(batch_size), batch_size))
+            lookup_only = all(is_lookup_key(r) for r in request_ids)
+            planned.update(self.windows.plan(request_ids, self.step_cost(batch_size, lookup_only), batch_size))
             return any(planned.values())
 
         mode = self._mode(batch_size, wins, timed)
@@ -254,14 +256,21 @@ class SpecController:
             return None
         return max(0.0, t.spec / t.plain - 1) / t.window
 
-    def step_cost(self, batch_size: int) -> StepCost:
+    def step_cost(self, batch_size: int, lookup_only: bool = False) -> StepCost:
         """A speculative step's cost in plain steps at `batch_size`, as a function of the mean
-        window: the bucket's measured table (`serve.spec_cost`); free before anything is timed."""
+        window: the bucket's measured table (`serve.spec_cost`); free before anything is timed.
+
+        `lookup_only`: every drafting request proposes by prompt lookup, so no draft forward
+        runs; such steps have their own table (on the real recipe a 4-token window cost 1.6
+        plain steps by lookup and 2.0 by the draft model, and one table priced the model's
+        windows at the lookup's). Either table stands in for the other until it has points."""
         t = self.timings.get(_bucket(batch_size))
         if t is None or t.plain is None:
             return lambda window: 1.0
         plain = t.plain
-        return lambda window: t.costs.cost(window, plain) or 1.0
+        first, other = (t.lookup_costs, t.costs) if lookup_only else (t.costs, t.lookup_costs)
+        table = first if first.curve() else other
+        return lambda window: table.cost(window, plain) or 1.0
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
@@ -273,7 +282,9 @@ class SpecController:
         t.plain = t.plain_recent.value
         t.plain_samples += 1
 
-    def record_spec(self, batch_size: int, seconds: float | None, proposed: int, accepted: int) -> None:
+    def record_spec(
+        self, batch_size: int, seconds: float | None, proposed: int, accepted: int, lookup_only: bool = False
+    ) -> None:
         """A decode-only speculative step of `batch_size` sequences took `seconds` and accepted
         `accepted` of `proposed` draft tokens (each sequence also emits one token of its own).
 
@@ -286,7 +297,7 @@ class SpecController:
             x = proposed / batch_size
             t.spec = self._smooth(t.spec, seconds)
             t.window = self._smooth(t.window, x)
-            t.costs.record(x, seconds)
+            (t.lookup_costs if lookup_only else t.costs).record(x, seconds)
             t.spec_samples += 1
         self._proposed = self.decay * self._proposed + proposed
         self._accepted = self.decay * self._accepted + accepted

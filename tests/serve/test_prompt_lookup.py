@@ -12,6 +12,7 @@ from serve.args import EngineArgs
 from serve.prompt_lookup import lookup
 from serve.sampler import process_logits
 from serve.spec_decode import rejection_sample
+from serve.spec_window import is_lookup_key, source_key
 from tests.serve.test_engine import finish, random_prompts
 from tests.serve.test_sampling import _chi2_ok
 
@@ -72,6 +73,10 @@ def check_draft_cache(llm: LLM, alone: LLM) -> None:
     llm.runner._propose_greedy = checked
 
 
+# the lookup tests' engine: float32, fixed windows of 3, lookups of up to 3 tokens
+LOOKUP_ENGINE = {"dtype": "float32", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive_speculation": False}
+
+
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_greedy_outputs_unchanged_with_lookup(spec_pair: tuple[Path, Path], with_draft: bool) -> None:
     target, draft = spec_pair
@@ -79,15 +84,7 @@ def test_greedy_outputs_unchanged_with_lookup(spec_pair: tuple[Path, Path], with
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in LLM(target, dtype="float32").generate(prompts, params)]
     llm = LLM(
-        target,
-        draft if with_draft else None,
-        dtype="float32",
-        draft_head_quant="none",
-        num_speculative_tokens=3,
-        prompt_lookup_max=3,
-        adaptive_speculation=False,
-        block_size=4,
-        num_kv_blocks=60,
+        target, draft if with_draft else None, **LOOKUP_ENGINE, draft_head_quant="none", block_size=4, num_kv_blocks=60
     )
     if with_draft:
         check_draft_cache(llm, LLM(draft, dtype="float32", draft_head_quant="none"))
@@ -110,16 +107,7 @@ def test_greedy_and_sampled_rows_share_a_batch(spec_pair: tuple[Path, Path]) -> 
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True, seed=3)
     plain = [o.token_ids for o in LLM(target, dtype="float32").generate(prompts, greedy)]
-    llm = LLM(
-        target,
-        draft,
-        dtype="float32",
-        num_speculative_tokens=3,
-        prompt_lookup_max=3,
-        prompt_lookup_min=1,
-        adaptive_speculation=False,
-        kv_cache_memory_gb=0.05,
-    )
+    llm = LLM(target, draft, **LOOKUP_ENGINE, prompt_lookup_min=1, kv_cache_memory_gb=0.05)
     for order in ((greedy, sampled), (sampled, greedy)):
         outs = llm.generate(prompts, [*order, *order])
         kept = [i for i in range(4) if [*order, *order][i] is greedy]
@@ -165,3 +153,37 @@ def test_server_flags_reach_the_engine_options() -> None:
     args = EngineArgs.from_namespace(ns)
     assert (args.prompt_lookup_max, args.prompt_lookup_min) == (3, 1)
     assert EngineArgs.from_namespace(build_parser().parse_args(["model"])).prompt_lookup_max == 0
+
+
+def test_lookup_and_draft_keep_separate_records_and_cost_tables(spec_pair: tuple[Path, Path]) -> None:
+    """Drafts by lookup are counted under the request's lookup key and timed in the lookup
+    table; the draft model's under the request id and the model table; the windows the engine
+    plans are asked for under the key of the proposer that will draft."""
+    target, draft = spec_pair
+    prompts = repetitive_prompts(3, seed=4) + random_prompts(2, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # one request a step: each step is a lookup-only or a model step
+    llm = LLM(target, draft, **LOOKUP_ENGINE, block_size=4, num_kv_blocks=60, max_num_seqs=1)
+    observed: list[tuple[str, bool]] = []
+    observe, looks_up = llm.spec.observe, llm.runner.looks_up
+    planned: dict[str, bool] = {}
+
+    def record(key: str, proposed: int, accepted: int) -> None:
+        observed.append((key, key in planned and planned[key]))
+        observe(key, proposed, accepted)
+
+    def routed(seq):  # noqa: ANN001, ANN202
+        found = looks_up(seq)
+        planned[source_key(seq.request_id, found)] = found
+        return found
+
+    llm.spec.observe, llm.runner.looks_up = record, routed  # type: ignore[method-assign]
+    llm.generate(prompts, params)
+    lookup_keys = [k for k, _ in observed if is_lookup_key(k)]
+    model_keys = [k for k, _ in observed if not is_lookup_key(k)]
+    assert lookup_keys and model_keys
+    assert all(found == is_lookup_key(k) for k, found in observed if k in planned)  # planned as drafted
+    tables = llm.spec.timings.values()
+    assert any(t.lookup_costs.records for t in tables) and any(t.costs.records for t in tables)
+    assert not llm.spec.windows.requests  # both records of every finished request forgotten
+    finish(llm)

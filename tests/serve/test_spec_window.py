@@ -10,7 +10,7 @@ import torch
 from serve import LLM, SamplingParams
 from serve.spec_cost import RecentMedian, StepCostTable
 from serve.spec_decode import SpecController
-from serve.spec_window import DepthCounts, StepCost, WindowPlanner, best_windows, linear_cost
+from serve.spec_window import DepthCounts, StepCost, WindowPlanner, best_windows, is_lookup_key, linear_cost, source_key
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -244,3 +244,25 @@ def test_controller_backs_off_probes_of_a_losing_draft_and_resets_when_it_wins()
         ctl.observe("a", 4, 4)
         ctl.record_spec(1, seconds=1.1, proposed=4, accepted=4)
     assert ctl.plan(["a"], 1)["a"] > 0 and ctl.timings[1].spec_interval == 4
+
+
+def test_controller_prices_lookup_steps_apart_from_draft_model_steps() -> None:
+    """A step of lookups alone runs no draft forward: its own table prices it; each table
+    stands in for the other until it has points; a plan of lookup keys only reads the lookup
+    table."""
+    ctl = SpecController(k=4, min_samples=1, ema=1.0)
+    ctl.record_plain(1, seconds=1.0)
+    ctl.record_spec(1, seconds=3.0, proposed=1, accepted=1)  # the draft model: 3 plain steps at window 1
+    assert ctl.step_cost(1, lookup_only=True)(1) == pytest.approx(3.0)  # no lookup points yet
+    ctl.record_spec(1, seconds=1.2, proposed=1, accepted=1, lookup_only=True)
+    assert ctl.step_cost(1, lookup_only=True)(1) == pytest.approx(1.2)
+    assert ctl.step_cost(1)(1) == pytest.approx(3.0)
+    key = source_key("a", True)
+    assert is_lookup_key(key) and not is_lookup_key(source_key("a", False))
+    for _ in range(8):  # both proposers: the first token accepted, the second not
+        ctl.observe(key, 2, 1)
+        ctl.observe("a", 2, 1)
+    # about 2 tokens per step: pays at 1.2 plain steps (lookup), not at 3 (the draft model)
+    assert ctl.plan([key], 1)[key] >= 1 and ctl.plan(["a"], 1)["a"] == 0
+    ctl.forget("a")
+    assert not ctl.windows.requests

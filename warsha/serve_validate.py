@@ -40,10 +40,11 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     # float noise between a decode step and a verification chunk can flip a rounding and part the
     # outputs (docs/precision.md)
     "int4_activations": "float",
-    # two or three engines share this process (plain, speculative, draft alone): a smaller pool each
+    # two to four engines share this process (plain, speculative, draft alone, lookup alone): a smaller pool each
     "kv_cache_memory_gb": 0.5,
 }
 SET_BY_STAGE = ("max_num_seqs",)  # each entry of batch_sizes
+ALONE = ("draft", "lookup")  # beside prompt lookup: each proposer measured alone too, in this engine order
 
 
 @dataclass
@@ -53,7 +54,8 @@ class ValidateParams:
     ``engine`` holds any `serve.args.EngineArgs` option, passed to every engine the stage starts
     (`ENGINE_DEFAULTS` where it differs from a server's defaults; ``max_num_seqs`` follows
     ``batch_sizes``). With ``prompt_lookup_max`` > 0 the speculative engine also drafts by prompt
-    lookup and the draft alone is measured too, so the report shows what each proposer buys.
+    lookup, and the draft alone and the lookup alone are measured too, so the report shows what
+    each proposer buys (on the real recipe's Zen 4 runs the lookup alone beat both together).
     """
 
     num_prompts: int = field(default=16, metadata=check(ge(1)))
@@ -179,11 +181,13 @@ def run(ctx: StageContext, p: ValidateParams) -> dict[str, Any]:
     for bs in p.batch_sizes:
         m = measure_batch(ctx, p, prompts, bs)
         metrics[f"batch{bs}"] = m
-        for r in (m, m.get("draft_alone")):
+        for r in (m, m.get("draft_alone"), m.get("lookup_alone")):
             if r:
                 identical &= not r["mismatched_requests"]
                 real += r["mismatched_requests"] - r["near_tie_flips"]
-        alone = f" (draft alone {m['draft_alone']['speedup']:.2f}x)" if "draft_alone" in m else ""
+        alone = "".join(
+            f" ({name} alone {m[f'{name}_alone']['speedup']:.2f}x)" for name in ALONE if f"{name}_alone" in m
+        )
         ctx.log.info(
             "serve.validate batch %d: acceptance %.3f, speedup %.2fx%s, %d diverged (%d at near-ties)",
             bs,
@@ -229,7 +233,7 @@ def chat_check(ctx: StageContext, p: ValidateParams) -> dict[str, Any] | None:
 
 
 def measure_batch(ctx: StageContext, p: ValidateParams, prompts: list[list[int]], bs: int) -> dict[str, Any]:
-    """Plain and speculative engines (and the draft alone, when prompt lookup is on) taking
+    """Plain and speculative engines (and each proposer alone, when prompt lookup is on) taking
     turns over the workload at batch size ``bs``: statistics, speedups, output comparison."""
     from serve.engine import LLM
 
@@ -240,6 +244,7 @@ def measure_batch(ctx: StageContext, p: ValidateParams, prompts: list[list[int]]
     ]
     if lookup:
         engines.append(LLM(ctx.model_dir, draft, p.engine_args(bs, prompt_lookup_max=0)))
+        engines.append(LLM(ctx.model_dir, None, p.engine_args(bs)))
     outs, stats = run_interleaved(engines, prompts, bs, p.max_tokens)
     rate = stats[0]["output_tokens_per_s"]
     out: dict[str, Any] = {
@@ -248,11 +253,11 @@ def measure_batch(ctx: StageContext, p: ValidateParams, prompts: list[list[int]]
         "speedup": stats[1]["output_tokens_per_s"] / rate,
         **compare_outputs(engines[0], prompts, outs[0], outs[1], p.tie_tolerance),
     }
-    if lookup:
-        out["draft_alone"] = {
-            **stats[2],
-            "speedup": stats[2]["output_tokens_per_s"] / rate,
-            **compare_outputs(engines[0], prompts, outs[0], outs[2], p.tie_tolerance),
+    for i, name in enumerate(ALONE if lookup else (), start=2):
+        out[f"{name}_alone"] = {
+            **stats[i],
+            "speedup": stats[i]["output_tokens_per_s"] / rate,
+            **compare_outputs(engines[0], prompts, outs[0], outs[i], p.tie_tolerance),
         }
     return out
 
@@ -307,8 +312,10 @@ def _write_summary(ctx: StageContext, metrics: dict[str, Any]) -> None:
     for key, m in metrics.items():
         if key.startswith("batch") and isinstance(m, dict):
             lines.append(_summary_row(key[5:], m["speculative"], m["plain"], m))
-            if "draft_alone" in m:
-                lines.append(_summary_row(f"{key[5:]}, draft alone", m["draft_alone"], m["plain"], m["draft_alone"]))
+            for name in ALONE:
+                if f"{name}_alone" in m:
+                    alone = m[f"{name}_alone"]
+                    lines.append(_summary_row(f"{key[5:]}, {name} alone", alone, m["plain"], alone))
     if chat := metrics.get("chat"):
         lines += ["", f"Chat: a {chat['prompt_tokens']}-token templated prompt answered in {chat['completion_tokens']}"]
         lines[-1] += f" tokens, finish reason {chat['finish_reason']}."

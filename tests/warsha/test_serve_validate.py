@@ -45,7 +45,7 @@ def test_validate_stage_with_self_draft(tiny_artifact: Path, tmp_path: Path) -> 
     assert (tmp_path / "validate" / "serve_validate.md").is_file()
 
 
-def test_validate_with_prompt_lookup_measures_the_draft_alone_too(tiny_artifact: Path, tmp_path: Path) -> None:
+def test_validate_with_prompt_lookup_measures_each_proposer_alone_too(tiny_artifact: Path, tmp_path: Path) -> None:
     data = tiny_recipe()
     data["base"] = str(tiny_artifact)
     params = {"num_prompts": 3, "prompt_tokens": 8, "max_tokens": 24, "batch_sizes": [1]}
@@ -60,7 +60,11 @@ def test_validate_with_prompt_lookup_measures_the_draft_alone_too(tiny_artifact:
     if both["lookup_share"]:  # the self-draft accepts all it drafts; lookups may miss
         assert both["draft_acceptance_rate"] in (None, pytest.approx(1.0))
     assert alone["speedup"] > 0 and not alone["mismatched_requests"]
-    assert "1, draft alone" in (tmp_path / "validate" / "serve_validate.md").read_text()
+    lookup = m["batch1"]["lookup_alone"]  # prompt lookup without the draft model: every draft a lookup
+    assert lookup["lookup_share"] in (None, pytest.approx(1.0)) and not lookup["mismatched_requests"]
+    assert lookup["draft_acceptance_rate"] is None and lookup["speedup"] > 0
+    summary = (tmp_path / "validate" / "serve_validate.md").read_text()
+    assert "1, draft alone" in summary and "1, lookup alone" in summary
 
 
 def test_validate_requires_a_draft_input() -> None:
@@ -124,7 +128,8 @@ def test_compare_outputs_separates_near_ties_from_real_mismatches() -> None:
 
 def test_engine_block_reaches_every_engine_as_engine_args(monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe's ``engine:`` options, over serve.validate's documented defaults, are the
-    EngineArgs of the plain, speculative and draft-alone engines (lookup only in the speculative)."""
+    EngineArgs of the plain, speculative, draft-alone and lookup-alone engines (lookup in the
+    speculative and the lookup-alone ones only)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -156,6 +161,7 @@ def test_engine_block_reaches_every_engine_as_engine_args(monkeypatch: pytest.Mo
         (None, dataclasses.replace(want, prompt_lookup_max=0)),
         ("d", want),
         ("d", dataclasses.replace(want, prompt_lookup_max=0)),
+        (None, want),
     ]
 
 

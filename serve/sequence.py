@@ -39,25 +39,33 @@ class DraftSources:
     A lookup preempts the draft model only while it has done at least as well: on text that
     loops it wins outright; on text a good draft predicts, a lookup that merely found an earlier
     n-gram would cost the draft's better guesses (and a catch-up forward when the draft resumes).
-    A source not yet measured is tried first; one left unused keeps its last record until the
-    other falls below it."""
+    A source not yet measured is tried first. A lookup left unused keeps its last record, and is
+    tried again after `retry` verifications by the draft model: a lookup that missed once, early,
+    kept a record near 0 and never ran again, while the text later looped and lookups would
+    have been accepted 96% of the time (on the real recipe's held-out prompts 98 of 416 steps
+    found a lookup and did not use it; lookup beside the draft ran 1.44x where lookup alone ran
+    1.77x). A retry costs nothing a model step would not: the lookup proposes instead."""
 
     lookup: float | None = None
     model: float | None = None
     decay: float = 0.7
+    retry: int = 8
+    since_lookup: int = 0  # verifications by the draft model since a lookup last drafted
 
     def observe(self, looked_up: bool, accepted: int) -> None:
         """A verification of drafts from one source accepted ``accepted`` of them."""
         old = self.lookup if looked_up else self.model
         new = accepted if old is None else self.decay * old + (1 - self.decay) * accepted
         if looked_up:
-            self.lookup = new
+            self.lookup, self.since_lookup = new, 0
         else:
-            self.model = new
+            self.model, self.since_lookup = new, self.since_lookup + 1
 
     def prefers_lookup(self) -> bool:
         """Whether a found lookup should be used over the draft model this step."""
-        return self.lookup is None or self.model is None or self.lookup >= self.model
+        if self.lookup is None or self.model is None or self.since_lookup >= self.retry:
+            return True
+        return self.lookup >= self.model
 
 
 @dataclass

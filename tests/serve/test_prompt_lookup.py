@@ -11,6 +11,7 @@ from serve import LLM, SamplingParams
 from serve.args import EngineArgs
 from serve.prompt_lookup import lookup
 from serve.sampler import process_logits
+from serve.sequence import DraftSources
 from serve.spec_decode import rejection_sample
 from serve.spec_window import is_lookup_key, source_key
 from tests.serve.test_engine import finish, random_prompts
@@ -187,3 +188,22 @@ def test_lookup_and_draft_keep_separate_records_and_cost_tables(spec_pair: tuple
     assert any(t.lookup_costs.records for t in tables) and any(t.costs.records for t in tables)
     assert not llm.spec.windows.requests  # both records of every finished request forgotten
     finish(llm)
+
+
+def test_a_lookup_that_missed_is_tried_again_after_some_model_drafts() -> None:
+    """A lookup record stuck below the model's (one early miss) must not lock lookups out of the
+    request: after `retry` verifications by the draft model a found lookup drafts again."""
+    sources = DraftSources(retry=3)
+    assert sources.prefers_lookup()  # nothing measured: lookup first
+    sources.observe(True, 0)  # the lookup missed
+    sources.observe(False, 1)
+    assert not sources.prefers_lookup()
+    sources.observe(False, 1)
+    sources.observe(False, 1)
+    assert sources.prefers_lookup()  # three model drafts since: retry the lookup
+    sources.observe(True, 4)  # it follows the text now: record 0.3 * 4 = 1.2 against the model's 1
+    assert sources.since_lookup == 0 and sources.prefers_lookup()
+    sources.observe(True, 0)
+    sources.observe(True, 0)
+    sources.observe(True, 0)
+    assert not sources.prefers_lookup()  # three misses: 1.2 * 0.7^3 = 0.41, below the model's 1

@@ -220,8 +220,7 @@ def chat_check(ctx: StageContext, p: ValidateParams) -> dict[str, Any] | None:
     corpus = ctx.corpus()
     question = " ".join(corpus.texts(corpus.config.target_lang, "validation")[0].split()[:12])
     prompt = template.encode([{"role": "user", "content": question}])
-    common = {"dtype": p.dtype, "kv_cache_memory_gb": p.kv_cache_memory_gb, "int4_activations": p.int4_activations}
-    llm = LLM(ctx.model_dir, max_num_seqs=1, **common)
+    llm = LLM(ctx.model_dir, None, p.engine_args(1, prompt_lookup_max=0))  # the target alone, the stage's engine
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=p.max_tokens))[0]
     return {
         "prompt_tokens": len(prompt),

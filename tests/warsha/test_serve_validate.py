@@ -67,6 +67,28 @@ def test_validate_with_prompt_lookup_measures_each_proposer_alone_too(tiny_artif
     assert "1, draft alone" in summary and "1, lookup alone" in summary
 
 
+def test_validate_answers_a_chat_prompt_where_the_target_has_a_template(tiny_artifact: Path, tmp_path: Path) -> None:
+    """A target with a chat template gets one templated question answered with the stage's engine
+    options (the check once read options that had moved into the ``engine`` block, and failed)."""
+    import shutil
+
+    model = tmp_path / "instruct"
+    shutil.copytree(tiny_artifact, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    data = tiny_recipe()
+    data["base"] = str(model)
+    params = {"num_prompts": 2, "prompt_tokens": 8, "max_tokens": 4, "batch_sizes": [1]}  # the tiny model: 64 positions
+    data["stages"] = [{"stage": "serve.validate", "inputs": {"draft": str(model)}, "params": params}]
+    recipe = parse_recipe(data)
+    pipeline.Runner(recipe, tmp_path / "run").run(pipeline.plan(recipe, tmp_path / "run"), {0})
+    chat = artifacts.read_manifest(tmp_path / "run" / "validate")["metrics"]["chat"]
+    assert chat["prompt_tokens"] > 0 and 0 < chat["completion_tokens"] <= 4
+    assert chat["finish_reason"] in ("stop", "length")
+
+
 def test_validate_requires_a_draft_input() -> None:
     from warsha.config import RecipeError
 

@@ -200,9 +200,6 @@ LOGITS_BUDGET_BYTES = 1 << 30
 """Float32 logits one scoring forward may hold: a 262k-vocabulary model at 2,048 tokens makes
 2.1 GiB of logits per row, so a batch of 8 windows would need 17 GiB before the softmax."""
 
-NLL_POSITIONS = 256
-"""Positions per log-sum-exp chunk: the softmax's temporaries stay a slice of the logits."""
-
 
 def row_nll(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], device: Any) -> "torch.Tensor":
     """float64 summed NLL (nats) of each window's scored targets, in right-padded forwards.
@@ -222,9 +219,11 @@ def row_nll(model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], devi
 def _rows_nll(
     model: Any, jobs: list[tuple[list[int], tuple[int, int, int]]], width: int, device: Any
 ) -> "torch.Tensor":
-    """One forward of ``jobs`` padded to ``width``; NLL as log-sum-exp minus the label's logit,
-    a chunk of positions at a time (no full-size log-softmax copy)."""
+    """One right-padded forward of ``jobs`` padded to ``width`` (``warsha.score_forward``: the
+    head only on the scored positions, bf16 where the device is fast at it)."""
     import torch
+
+    from warsha.score_forward import rows_nll
 
     input_ids = torch.zeros(len(jobs), width, dtype=torch.long)
     labels = torch.full((len(jobs), width), -100, dtype=torch.long)
@@ -234,18 +233,7 @@ def _rows_nll(
         input_ids[row, : len(chunk)] = chunk
         mask[row, : len(chunk)] = 1
         labels[row, len(chunk) - scored : len(chunk)] = chunk[len(chunk) - scored :]
-    logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
-    target = labels[:, 1:].to(device)
-    total = torch.zeros(len(jobs), dtype=torch.float64, device=device)
-    for at in range(0, width - 1, NLL_POSITIONS):
-        part = logits[:, at : min(at + NLL_POSITIONS, width - 1)]
-        if part.dtype in (torch.bfloat16, torch.float16):
-            part = part.float()  # a low-precision log-softmax over a large vocabulary loses bits
-        tgt = target[:, at : at + part.shape[1]]
-        picked = part.gather(-1, tgt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        nll = torch.logsumexp(part, dim=-1) - picked
-        total += (nll * (tgt != -100)).sum(dim=1).double()
-    return total.cpu()
+    return rows_nll(model, input_ids.to(device), mask.to(device), labels[:, 1:].to(device)).cpu()
 
 
 def unigram_bits_per_char(train_ids: Sequence[Sequence[int]], texts: Sequence[str], tokenizer: Any) -> float:

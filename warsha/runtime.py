@@ -111,11 +111,20 @@ def describe() -> dict[str, Any]:
     if out:
         out["isa"] = _cpu_isa()
         out["huge_pages"] = _huge_pages()
+        out["scoring"] = _scoring_dtype()
     if out.get("allocator") == "glibc-tuned":
         out["malloc"] = dict(TUNED)
     elif out.get("allocator") == "tcmalloc":
         out["library"] = base.tcmalloc_loaded()
     return out
+
+
+def _scoring_dtype() -> str:
+    """What float32 models are scored in here (``warsha.score_forward``): bfloat16 where the
+    device is fast at it, else float32."""
+    from warsha.precision import dtype_name
+
+    return dtype_name(None, "auto")
 
 
 def _cpu_isa() -> str:

@@ -104,14 +104,19 @@ def analytic_acceptance(
     temperatures: Sequence[float] = (0.0, 1.0),
     max_length: int = 256,
     batch_size: int = 4,
+    bf16: bool | None = None,
 ) -> dict[str, Any]:
     """Mean per-token acceptance ``sum min(p, q)`` over every position of held-out token
     sequences (teacher-forced), for each temperature.
 
     Teacher forcing on real text measures agreement in the contexts users send; the empirical
-    loop below measures it in contexts the target itself writes. Returns
+    loop below measures it in contexts the target itself writes. Float32 models run under bf16
+    autocast where ``bf16`` says (None: where the device is fast at it, as scoring does,
+    ``warsha.score_forward``). Returns
     ``{"t0": ..., "t1": ..., "positions": n}`` (keys ``t<temperature>``)."""
     import torch
+
+    from warsha.score_forward import autocast_for
 
     _same_vocab(target, draft)
     seqs = [list(s)[:max_length] for s in sequences if len(s) >= 2]
@@ -123,8 +128,10 @@ def analytic_acceptance(
         for start in range(0, len(seqs), batch_size):
             chunk = seqs[start : start + batch_size]
             ids, mask = _pad(chunk)
-            lt = target(input_ids=ids, attention_mask=mask).logits.float()
-            ld = draft(input_ids=ids, attention_mask=mask).logits.float()
+            with autocast_for(target, ids.device, bf16):
+                lt = target(input_ids=ids, attention_mask=mask).logits.float()
+            with autocast_for(draft, ids.device, bf16):
+                ld = draft(input_ids=ids, attention_mask=mask).logits.float()
             valid = mask.bool()
             for t in temperatures:
                 sums[t] += float(overlap(probs(lt, t), probs(ld, t))[valid].sum())

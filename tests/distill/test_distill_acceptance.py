@@ -130,7 +130,7 @@ def test_per_position_acceptance_matches_analytic_on_visited(
 def test_analytic_acceptance_matches_bruteforce(pair: tuple[Any, Any], tokenizer: Any, corpus: Any) -> None:
     target, draft = pair
     seqs = [p[: 5 + 7 * i] for i, p in enumerate(_prompts(tokenizer, corpus, 3, 30))]
-    got = acc.analytic_acceptance(target, draft, seqs, temperatures=(0.0, 0.7, 1.0), batch_size=2)
+    got = acc.analytic_acceptance(target, draft, seqs, temperatures=(0.0, 0.7, 1.0), batch_size=2, bf16=False)
     sums, agree, n = {0.7: 0.0, 1.0: 0.0}, 0, 0
     with torch.inference_mode():
         for s in seqs:  # one sequence at a time: no padding, float64

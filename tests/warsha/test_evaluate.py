@@ -47,7 +47,7 @@ def test_likelihood_matches_brute_force_float64(tiny_artifact, monkeypatch, boun
     texts = ["Narrated Abu Huraira: the Prophet said something.", "قال رسول الله", "x", "and then he said"]
     if bounded:
         monkeypatch.setattr("warsha.evaluate.LOGITS_BUDGET_BYTES", 1)
-        monkeypatch.setattr("warsha.evaluate.NLL_POSITIONS", 3)
+        monkeypatch.setattr("warsha.score_forward.NLL_POSITIONS", 3)
     got = likelihood(model, tok, texts, max_length=64, batch_size=3)
     ref = sum(full_context_nll(model, [tok.bos_token_id] + tok(t, add_special_tokens=False).input_ids) for t in texts)
     assert got.nll_nats == pytest.approx(ref, rel=1e-9)

@@ -40,6 +40,7 @@ from quantize.layerwise import (
 from quantize.quantizer import QuantizedLinear, QuantSpec
 from quantize.shapes import advice, fitting_group_sizes
 from warsha.evaluate import document_nll
+from warsha.precision import use_bf16
 
 log = logging.getLogger("warsha.quantize")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,7 +86,13 @@ def quantize_model(
         fn = awq_method(
             arch,
             spec,
-            AWQOptions(params.n_grid, params.max_shrink, clip=params.clip, duo_scaling=params.duo_scaling),
+            AWQOptions(
+                params.n_grid,
+                params.max_shrink,
+                clip=params.clip,
+                duo_scaling=params.duo_scaling,
+                search_bf16=use_bf16(params.search_bf16, device),
+            ),
             alphas,
         )
     return quantize_layers(model, arch, plan, fn, calib, device, method), info

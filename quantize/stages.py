@@ -118,6 +118,13 @@ class AWQParams(CalibratedParams):
         ),
     )
     n_samples: int = field(default=64, metadata=check(ge(1), help="calibration rows"))
+    search_bf16: bool | None = field(
+        default=None,
+        metadata=check(
+            help="rerun the inspected blocks of the scale search under bf16 autocast; null: where the"
+            " device is fast at it (warsha.precision)"
+        ),
+    )
 
 
 @dataclass

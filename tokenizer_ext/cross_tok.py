@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from warsha.lm_loss import hidden_and_head, trained_rows
+
 CHUNK_ROWS = 256  # aligned positions per checkpointed chunk: a few [rows, vocab] float32 blocks
 
 
@@ -132,10 +134,12 @@ def aggregated_ce(
     from torch.utils.checkpoint import checkpoint
 
     cols = _new_columns(firsts, first_new, hidden.device)
+    marked = trained_rows(weight)  # only these rows train: no gradient for the rest of the head
+    rows, values = marked if marked is not None else (None, None)
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, hidden.shape[0], CHUNK_ROWS):
         e = min(s + CHUNK_ROWS, hidden.shape[0])
-        chunk = (hidden[s:e], weight, *cols, first_new, teacher_ids[s:e], teacher_probs[s:e])
+        chunk = (hidden[s:e], weight, rows, values, *cols, first_new, teacher_ids[s:e], teacher_probs[s:e])
         total = total + checkpoint(_chunk_ce, *chunk, use_reentrant=False)
     return total / max(hidden.shape[0], 1)
 
@@ -146,9 +150,15 @@ def _new_columns(firsts: torch.Tensor, first_new: int, device: Any) -> tuple[tor
     return (keep + first_new).to(device), firsts[keep].to(device)
 
 
-def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, *rest: Any) -> torch.Tensor:
-    """The summed cross-entropy of one chunk of hidden states (see ``aggregated_ce``)."""
-    return logits_ce(torch.mm(hidden, weight.t()), *rest)
+def _chunk_ce(
+    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor | None, *rest: Any
+) -> torch.Tensor:
+    """The summed cross-entropy of one chunk of hidden states (see ``aggregated_ce``); with
+    ``rows``, the head is differentiable in ``values`` (its rows ``rows``) only."""
+    if rows is None:
+        return logits_ce(torch.mm(hidden, weight.t()), *rest)
+    logits = torch.mm(hidden, weight.detach().t())
+    return logits_ce(logits.index_copy_(1, rows, torch.mm(hidden, values.t()).to(logits.dtype)), *rest)
 
 
 def logits_ce(
@@ -166,25 +176,13 @@ def logits_ce(
     return -(picked.log() * teacher_probs.float()).sum()
 
 
-def _hidden_and_head(model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
-    """Final hidden states and the head weight the model multiplies them by (a plain head), or
-    ``(None, logits)`` for a family whose forward transforms logits after the head."""
-    from warsha.lm_loss import plain_head
-
-    parts = plain_head(model)
-    if parts is None:
-        return None, model(input_ids=ids, attention_mask=mask).logits
-    decoder, head = parts
-    return head.weight, decoder(input_ids=ids, attention_mask=mask).last_hidden_state
-
-
 def teacher_top(teacher: Any, batch: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The base's top-``k`` next-token ids and renormalised probabilities at every aligned pair's
     base position, in the order of ``pairs`` (padding pairs dropped)."""
     pairs = batch["pairs"]
     rows, cols = torch.nonzero(pairs[..., 0] >= 0, as_tuple=True)
     with torch.no_grad():
-        head, out = _hidden_and_head(teacher, batch["base_ids"], batch["base_mask"])
+        head, out = hidden_and_head(teacher, batch["base_ids"], batch["base_mask"])
         picked = out[rows, pairs[rows, cols, 1]]
         logits = picked if head is None else torch.mm(picked, head.t())
         values, ids = torch.topk(logits.float(), k, -1)
@@ -197,14 +195,14 @@ def loss_fn(
     """The training loss: ``nll_weight`` times the next-token loss on the extended tokens plus
     ``distill_weight`` times the aggregated cross-entropy against ``teacher`` at the aligned
     positions (each term skipped at weight 0)."""
-    from warsha.lm_loss import IGNORE_INDEX, linear_cross_entropy
+    from warsha.lm_loss import IGNORE_INDEX, linear_cross_entropy, linear_cross_entropy_rows
 
     teacher.eval()
     for q in teacher.parameters():
         q.requires_grad_(False)
 
     def fn(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        weight, out = _hidden_and_head(model, batch["input_ids"])
+        weight, out = hidden_and_head(model, batch["input_ids"])
         loss = out.new_zeros((), dtype=torch.float32)
         if nll_weight:
             targets = batch["labels"][:, 1:]
@@ -212,8 +210,13 @@ def loss_fn(
             if weight is None:  # logits already: the family transforms them after the head
                 nll = torch.nn.functional.cross_entropy(out[:, :-1][keep].float(), targets[keep])
             else:
-                h = out[:, :-1][keep]
-                nll = linear_cross_entropy(h, weight, targets[keep], torch.ones(len(h), device=h.device))
+                h, ones = out[:, :-1][keep], torch.ones(int(keep.sum()), device=out.device)
+                marked = trained_rows(weight)
+                nll = (
+                    linear_cross_entropy(h, weight, targets[keep], ones)
+                    if marked is None
+                    else linear_cross_entropy_rows(h, weight, *marked, targets[keep], ones)
+                )
             loss = loss + nll_weight * nll
         if distill_weight:
             t_ids, t_probs = teacher_top(teacher, batch, k)

@@ -73,9 +73,16 @@ class RowMap(torch.nn.Module):
         return getattr(self, f"features_{i}") @ self.maps[i]
 
     def full(self, i: int, weight: torch.Tensor) -> torch.Tensor:
-        """Matrix ``i`` with its new rows from the map (differentiable in the map only)."""
+        """Matrix ``i`` with its new rows from the map (differentiable in the map only), marked
+        with those rows so a fused loss forms the head's gradient for them alone
+        (``warsha.lm_loss.mark_trained_rows``)."""
+        from warsha.lm_loss import mark_trained_rows
+
         w = weight.detach()
-        return torch.cat([w[: self.first], self.rows(i).to(w.dtype), w[self.first + self.n :]])
+        rows = self.rows(i).to(w.dtype)
+        full = torch.cat([w[: self.first], rows, w[self.first + self.n :]])
+        ids = torch.arange(self.first, self.first + self.n, device=w.device)
+        return mark_trained_rows(full, ids, rows)
 
     def write(self, matrices: Sequence[torch.nn.Parameter]) -> None:
         """Copy the mapped rows into the matrices (after the fit)."""

@@ -231,6 +231,35 @@ def plain_head(model: Any) -> tuple[Any, Any] | None:
     return model.get_decoder(), head
 
 
+TRAINED_ROWS = "warsha_trained_rows"
+
+
+def mark_trained_rows(weight: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``weight``, which already holds ``values`` at ``rows``, marked so that the fused losses
+    (``trained_rows``) form its gradient for those rows only, into ``values``.
+
+    Why: a head assembled from frozen rows and a few trained ones (``tokenizer_ext.row_map``:
+    8,000 mapped rows of 270,144) would otherwise get a float32 gradient over every row, as much
+    arithmetic as its logits, all but 3% of it then discarded."""
+    setattr(weight, TRAINED_ROWS, (rows, values))
+    return weight
+
+
+def trained_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row ids, their differentiable values) of a weight ``mark_trained_rows`` marked, else None."""
+    return getattr(weight, TRAINED_ROWS, None)
+
+
+def hidden_and_head(model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
+    """Final hidden states and the head weight the model multiplies them by (a plain head,
+    ``plain_head``), or ``(None, logits)`` where only the model's own forward is right."""
+    parts = plain_head(model)
+    if parts is None:
+        return None, model(input_ids=ids, attention_mask=mask).logits
+    decoder, head = parts
+    return head.weight, decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
 def causal_lm_loss(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     """The next-token loss (labels are the inputs unless the batch has ``labels``; -100 scores
     nothing); weighted per target when the batch carries ``loss_weights`` (see ``weighted_lm_loss``)."""

@@ -163,3 +163,42 @@ def test_fit_replay_cuts_windows_from_text_the_base_writes(
     texts = replay.written_texts(base, tok, "ar", 3, 24, seed=5)
     assert texts == replay.written_texts(base, tok, "ar", 3, 24, seed=5)
     assert all(any("\u0621" <= c <= "\u064a" for c in t) for t in texts), texts
+
+
+def test_marked_rows_get_the_gradient_the_whole_head_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head assembled from frozen rows and trained ones (``mark_trained_rows``, as the fit's
+    map builds it): both loss terms give the trained values and the hidden states the gradients
+    that autograd through the whole assembled head gives, in float64."""
+    from warsha.lm_loss import mark_trained_rows
+
+    monkeypatch.setattr(cross_tok, "CHUNK_ROWS", 4)
+    gen = torch.Generator().manual_seed(1)
+    base_n, new = 20, 9
+    frozen = torch.randn(base_n + new + 2, 8, generator=gen, dtype=torch.float64)
+    firsts = torch.tensor([3, 3, 5, -1, 0, 19, 3, 7, 5])
+    t_ids = torch.randint(0, base_n, (10, 4), generator=gen)
+    t_p = torch.softmax(torch.randn(10, 4, generator=gen, dtype=torch.float64), -1)
+    labels = torch.randint(0, base_n + new, (10,), generator=gen)
+    h0 = torch.randn(10, 8, generator=gen, dtype=torch.float64)
+    v0 = torch.randn(new, 8, generator=gen, dtype=torch.float64)
+    grads = []
+    for mark in (False, True):
+        hidden, values = h0.clone().requires_grad_(), v0.clone().requires_grad_()
+        weight = torch.cat([frozen[:base_n], values, frozen[base_n + new :]])
+        if mark:
+            mark_trained_rows(weight, torch.arange(base_n, base_n + new), values)
+        distill = cross_tok.aggregated_ce(hidden, weight, firsts, base_n, t_ids, t_p)
+        from warsha.lm_loss import linear_cross_entropy, linear_cross_entropy_rows, trained_rows
+
+        ones = torch.ones(10, dtype=torch.float64)
+        marked = trained_rows(weight)
+        assert (marked is not None) == mark
+        nll = (
+            linear_cross_entropy_rows(hidden, weight, *marked, labels, ones)
+            if marked
+            else linear_cross_entropy(hidden, weight, labels, ones)
+        )
+        (distill + nll).backward()
+        grads.append((hidden.grad, values.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-10, atol=1e-12)

@@ -114,3 +114,17 @@ def test_fit_map_on_an_untied_head_maps_both_matrices(tmp_path: Path, sp_extende
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert not torch.equal(after[name][32000:32100], before[name][32000:32100]), name
         torch.testing.assert_close(after[name][:32000], before[name][:32000], rtol=0, atol=0)
+
+
+def test_a_mapped_matrix_is_marked_with_its_mapped_rows() -> None:
+    """``RowMap.full`` marks the assembled matrix with the new rows' ids and the very tensor it
+    holds there, so the fused losses form the gradient for those rows only."""
+    from warsha.lm_loss import trained_rows
+
+    w = torch.nn.Parameter(torch.randn(26, 6))
+    rmap = row_map.RowMap([w], 20, [[1, 2], [3], [4, 5]], scale=1.0)
+    full = rmap.full(0, w)
+    ids, values = trained_rows(full)
+    assert ids.tolist() == [20, 21, 22] and values.requires_grad
+    assert torch.equal(full[20:23], values) and torch.equal(full[:20], w.detach()[:20])
+    assert trained_rows(w) is None

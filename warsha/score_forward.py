@@ -84,20 +84,56 @@ def _scored_nll(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
 
 
 def _sliced_nll(h: torch.Tensor, weight: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    """log-sum-exp minus the target's logit, the vocabulary a slice at a time: each slice's
-    logits are reduced to their log-sum-exp while in cache, and the slices' log-sum-exps are
-    combined at the end (never a whole row of logits)."""
+    """log-sum-exp minus the target's logit, the vocabulary a slice at a time (``_sliced_lse``)."""
+    lse, picked = _sliced_lse(h, weight, tgt=tgt)
+    return lse[:, 0] - picked
+
+
+def _sliced_lse(
+    h: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None = None, tgt: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per position, the log-sum-exp of its logits over the whole vocabulary (column 0) and, with
+    ``rows`` (bool [vocab]), over the rows it marks (column 1); with ``tgt``, the target's logit.
+
+    Each slice's logits are reduced while in cache and the slices' log-sum-exps combined at the
+    end: never a whole row of logits."""
     slices = range(0, weight.shape[0], VOCAB_SLICE)
     acc_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-    lse = torch.empty(h.shape[0], len(slices), dtype=acc_dtype, device=h.device)
-    picked = torch.zeros(h.shape[0], dtype=acc_dtype, device=h.device)
+    cols = 1 if rows is None else 2
+    lse = torch.empty(h.shape[0], cols, len(slices), dtype=acc_dtype, device=h.device)
+    picked = None if tgt is None else torch.zeros(h.shape[0], dtype=acc_dtype, device=h.device)
     for i, v0 in enumerate(slices):
         v1 = min(v0 + VOCAB_SLICE, weight.shape[0])
         logits = (h @ weight[v0:v1].T).to(acc_dtype)  # a low-precision log-softmax loses bits
-        lse[:, i] = torch.logsumexp(logits, dim=-1)
-        at = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
-        picked = torch.where((tgt >= v0) & (tgt < v1), logits.gather(-1, at).squeeze(-1), picked)
-    return torch.logsumexp(lse, dim=-1) - picked
+        lse[:, 0, i] = torch.logsumexp(logits, dim=-1)
+        if rows is not None:
+            lse[:, 1, i] = torch.logsumexp(logits.masked_fill(~rows[v0:v1], float("-inf")), dim=-1)
+        if tgt is not None:
+            at = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(-1)
+            picked = torch.where((tgt >= v0) & (tgt < v1), logits.gather(-1, at).squeeze(-1), picked)
+    return torch.logsumexp(lse, dim=-1), picked
+
+
+def rows_probability(model: Any, input_ids: torch.Tensor, rows: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
+    """float64 [width - 1]: at each position of one unpadded row ``input_ids`` [1, width], the
+    probability the model gives the next token being one of ``rows`` (bool [vocab]).
+
+    The same forward as ``rows_nll`` (decoder alone, the head a vocabulary slice at a time, bf16
+    where fast): the probability is exp(log-sum-exp over ``rows`` - log-sum-exp over all)."""
+    with autocast_for(model, input_ids.device, bf16):
+        weight, out = hidden_and_head(model, input_ids)
+        if weight is None:
+            logits = out[0, :-1].double()
+            masked = logits.masked_fill(~rows[: logits.shape[-1]], float("-inf"))
+            return (masked.logsumexp(-1) - logits.logsumexp(-1)).exp()
+        weight = _matmul_weight(weight)
+        hidden = out[0, :-1].to(weight.dtype)
+        parts = [
+            _sliced_lse(hidden[at : at + NLL_POSITIONS], weight, rows[: weight.shape[0]])[0]
+            for at in range(0, hidden.shape[0], NLL_POSITIONS)
+        ]
+    lse = torch.cat(parts).double()
+    return (lse[:, 1] - lse[:, 0]).exp()
 
 
 def _whole_logits_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

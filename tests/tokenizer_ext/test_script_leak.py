@@ -54,8 +54,11 @@ class Bigram(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(table)
 
-    def forward(self, input_ids: torch.Tensor) -> Any:
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> Any:
         return SimpleNamespace(logits=self.table[input_ids])
+
+    def get_output_embeddings(self) -> Any:
+        return SimpleNamespace(weight=self.table)
 
 
 def test_script_leak_against_a_loop() -> None:

@@ -65,6 +65,27 @@ def test_rows_nll_matches_the_whole_log_softmax(tmp_path: Path, arch: str, overr
     torch.testing.assert_close(got, _brute(model, ids, mask, target), rtol=1e-12, atol=1e-10)
 
 
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 2.0})])
+def test_rows_probability_matches_the_whole_softmax(tmp_path: Path, arch: str, overrides: dict) -> None:
+    """The mass on marked rows at each position, from vocabulary slices (a plain head) or the
+    model's own logits (a soft-capped head), equals the float64 softmax summed over those rows;
+    a slice with no marked row and a mask marking nothing give exactly 0."""
+    model = _model(tmp_path, arch, **overrides)
+    ids = _batch(model)[0][:1]
+    rows = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    rows[torch.arange(5, 60, 3)] = True  # slices of 37: the third marks a few, the last none
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids).logits[0, :-1].double(), dim=-1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sf, "VOCAB_SLICE", 37)
+        mp.setattr(sf, "NLL_POSITIONS", 7)
+        with torch.no_grad():
+            got = sf.rows_probability(model, ids, rows)
+            none = sf.rows_probability(model, ids, torch.zeros_like(rows))
+    torch.testing.assert_close(got, probs[:, rows].sum(-1), rtol=1e-12, atol=1e-14)
+    assert got.shape == (ids.shape[1] - 1,) and torch.equal(none, torch.zeros_like(got))
+
+
 def _counted(fn: Any, name: str, calls: list[str]) -> Any:
     def wrapped(*args: Any) -> Any:
         calls.append(name)

@@ -28,9 +28,7 @@ from typing import Any
 
 import torch
 
-from warsha.lm_loss import hidden_and_head, trained_rows
-
-CHUNK_ROWS = 256  # aligned positions per checkpointed chunk: a few [rows, vocab] float32 blocks
+from warsha.lm_loss import ColumnGroups, hidden_and_head, linear_cross_entropy, linear_cross_entropy_rows, trained_rows
 
 
 def first_pieces(sources: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -129,36 +127,23 @@ def aggregated_ce(
     """Mean over rows of ``-sum_k p_k log q'(b_k)``, where ``q`` is ``softmax(hidden @ weight.T)``
     over the extended vocabulary and ``q'(b) = q(b) + sum of q(v) over new ids v whose first base
     id is b`` (``firsts[v - first_new]``). Rows of ``weight`` past the new ids (padding) take
-    probability but belong to no base id. Chunks are checkpointed: memory is a few
-    ``[CHUNK_ROWS, vocab]`` blocks whatever the number of rows."""
-    from torch.utils.checkpoint import checkpoint
+    probability but belong to no base id.
 
-    cols = _new_columns(firsts, first_new, hidden.device)
-    marked = trained_rows(weight)  # only these rows train: no gradient for the rest of the head
-    rows, values = marked if marked is not None else (None, None)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, hidden.shape[0], CHUNK_ROWS):
-        e = min(s + CHUNK_ROWS, hidden.shape[0])
-        chunk = (hidden[s:e], weight, rows, values, *cols, first_new, teacher_ids[s:e], teacher_probs[s:e])
-        total = total + checkpoint(_chunk_ce, *chunk, use_reentrant=False)
-    return total / max(hidden.shape[0], 1)
+    The fused head loss with grouped targets (``warsha.lm_loss.ColumnGroups``): chunks of rows,
+    both gradients formed in the forward, so the backward never runs the 278k-row head again;
+    a head ``mark_trained_rows`` marked gets the gradient of its trained rows only."""
+    groups = ColumnGroups(first_new, *_new_columns(firsts, first_new, hidden.device))
+    ones = torch.ones(hidden.shape[0], device=hidden.device)
+    marked = trained_rows(weight)
+    if marked is None:
+        return linear_cross_entropy(hidden, weight, teacher_ids, ones, teacher_probs, groups)
+    return linear_cross_entropy_rows(hidden, weight, *marked, teacher_ids, ones, teacher_probs, groups)
 
 
 def _new_columns(firsts: torch.Tensor, first_new: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(the new ids that start with a base id, those base ids), on ``device``."""
     keep = torch.nonzero(firsts >= 0).squeeze(1)
     return (keep + first_new).to(device), firsts[keep].to(device)
-
-
-def _chunk_ce(
-    hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor | None, values: torch.Tensor | None, *rest: Any
-) -> torch.Tensor:
-    """The summed cross-entropy of one chunk of hidden states (see ``aggregated_ce``); with
-    ``rows``, the head is differentiable in ``values`` (its rows ``rows``) only."""
-    if rows is None:
-        return logits_ce(torch.mm(hidden, weight.t()), *rest)
-    logits = torch.mm(hidden, weight.detach().t())
-    return logits_ce(logits.index_copy_(1, rows, torch.mm(hidden, values.t()).to(logits.dtype)), *rest)
 
 
 def logits_ce(
@@ -195,7 +180,7 @@ def loss_fn(
     """The training loss: ``nll_weight`` times the next-token loss on the extended tokens plus
     ``distill_weight`` times the aggregated cross-entropy against ``teacher`` at the aligned
     positions (each term skipped at weight 0)."""
-    from warsha.lm_loss import IGNORE_INDEX, linear_cross_entropy, linear_cross_entropy_rows
+    from warsha.lm_loss import IGNORE_INDEX
 
     teacher.eval()
     for q in teacher.parameters():

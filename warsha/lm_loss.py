@@ -22,6 +22,7 @@ and trained at a third of the unextended model's speed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     weights: torch.Tensor,
     target_probs: torch.Tensor | None = None,
+    groups: ColumnGroups | None = None,
 ) -> torch.Tensor:
     """``sum_i weights[i] * CE(hidden[i] @ weight.T, targets[i]) / sum(weights)``, fused.
 
@@ -45,9 +47,11 @@ def linear_cross_entropy(
     int64, ``weights`` [N] (0 drops a row). Logits are formed in float32; gradients come back
     in the inputs' dtypes. Soft labels: ``targets`` [N, K] with ``target_probs`` [N, K], each row
     summing to 1 (a teacher's top-K renormalised): the row's loss is the cross-entropy against
-    that distribution, which differs from the KL divergence by the teacher's entropy only.
+    that distribution, which differs from the KL divergence by the teacher's entropy only. With
+    ``groups``, a target names a group of logit columns and its probability is the group's
+    summed probability (``ColumnGroups``).
     """
-    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, None, None, target_probs)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, None, None, target_probs, groups)
 
 
 def linear_cross_entropy_rows(
@@ -58,6 +62,7 @@ def linear_cross_entropy_rows(
     targets: torch.Tensor,
     weights: torch.Tensor,
     target_probs: torch.Tensor | None = None,
+    groups: ColumnGroups | None = None,
 ) -> torch.Tensor:
     """``linear_cross_entropy`` with a head whose rows ``rows`` hold ``row_values`` (``weight``
     already holds them too), differentiable in ``row_values`` only.
@@ -66,7 +71,7 @@ def linear_cross_entropy_rows(
     278k-row head), the weight gradient is needed for those rows alone; the full-matrix gradient
     costs as much as the logits themselves and is then mostly discarded.
     """
-    return _LinearCrossEntropy.apply(hidden, weight.detach(), targets, weights, rows, row_values, target_probs)
+    return _LinearCrossEntropy.apply(hidden, weight.detach(), targets, weights, rows, row_values, target_probs, groups)
 
 
 def _chunk_rows(vocab: int) -> int:
@@ -82,7 +87,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(  # noqa: D102
-        ctx: Any, hidden: Any, weight: Any, targets: Any, weights: Any, rows: Any, row_values: Any, target_probs: Any
+        ctx: Any,
+        hidden: Any,
+        weight: Any,
+        targets: Any,
+        weights: Any,
+        rows: Any,
+        row_values: Any,
+        target_probs: Any,
+        groups: Any,
     ) -> Any:
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[5]
         ctx.rows_only = rows is not None
@@ -98,11 +111,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, hidden.shape[0], step):
             e = min(s + step, hidden.shape[0])
             h, t, q, w = hidden[s:e], targets[s:e], target_probs[s:e], scale[s:e, None]
-            probs, nll = _chunk_loss(torch.mm(h, weight.t()).float(), t, q)
+            logits = torch.mm(h, weight.t()).float()
+            if groups is None:
+                probs, nll = _chunk_loss(logits, t, q)
+                probs.scatter_add_(1, t, -q)  # softmax - target distribution: d nll / d logits
+            else:
+                probs, nll = groups.loss_and_grad(logits, t, q)
             loss += (nll * w.squeeze(1)).sum()
             if grad_h is None and grad_w is None:
                 continue
-            probs.scatter_add_(1, t, -q)  # softmax - target distribution: d nll / d logits
             # the row weights scale the GEMMs' small operands and outputs, not the [rows, vocab] block
             if grad_h is not None:
                 grad_h[s:e] = torch.mm(probs.to(weight.dtype), weight).mul_(w.to(weight.dtype))
@@ -119,8 +136,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = None if grad_h is None else grad_h * grad.to(grad_h.dtype)
         grad_w = None if grad_w is None else grad_w * grad.to(grad_w.dtype)
         if ctx.rows_only:
-            return grad_h, None, None, None, None, grad_w, None
-        return grad_h, grad_w, None, None, None, None, None
+            return grad_h, None, None, None, None, grad_w, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _chunk_loss(
@@ -137,11 +154,57 @@ def _chunk_loss(
     """
     target_logit = (logits.gather(1, targets) * probs_k).sum(1)
     peak, where = logits.max(-1, keepdim=True)
-    # in place on CPU, where torch's last-dimension kernel reads each row before writing it
-    # (tests/warsha/test_lm_loss.py checks it against float64); a copy elsewhere
-    probs = torch.softmax(logits, -1, out=logits) if logits.device.type == "cpu" else torch.softmax(logits, -1)
+    probs = _softmax_(logits)
     lse = peak.squeeze(1) - probs.gather(1, where).squeeze(1).log()
     return probs, lse - target_logit
+
+
+def _softmax_(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, in place on CPU, where torch's last-dimension kernel reads
+    each row before writing it (tests/warsha/test_lm_loss.py checks it against float64); a copy
+    elsewhere."""
+    return torch.softmax(logits, -1, out=logits) if logits.device.type == "cpu" else torch.softmax(logits, -1)
+
+
+TINY_MASS = 1e-30
+"""A group's probability is floored here before its log: a target the model gives no mass
+costs ``-log(1e-30)`` and passes no gradient, instead of an infinite loss."""
+
+
+@dataclass(frozen=True)
+class ColumnGroups:
+    """Targets that name groups of logit columns: target ``b`` (below ``size``) is column ``b``
+    together with the columns ``members`` whose entry in ``of`` is ``b``; a column at or past
+    ``size`` that is no member belongs to no target.
+
+    Why: an extended vocabulary writes a base token either as itself or as a longer new piece
+    that starts with it; a teacher over base tokens scores the group's summed probability
+    (``tokenizer_ext.cross_tok``). In the fused loss the gradient of ``-sum_k p_k log Q_k``
+    with respect to a column ``u`` of group ``g`` is ``q_u * (sum_k p_k - p_g / Q_g)``, where
+    ``p_g`` sums the ``p_k`` of the targets naming ``g`` (0 for a group none names); it is formed
+    while the chunk's softmax is in hand: no second forward through the head in the backward.
+    """
+
+    size: int
+    members: torch.Tensor  # int64 [M]: columns at or past ``size`` that belong to a group
+    of: torch.Tensor  # int64 [M]: the group (a column below ``size``) of each member
+
+    def loss_and_grad(
+        self, logits: torch.Tensor, targets: torch.Tensor, probs_k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d loss / d logits in ``logits``' buffer, the per-row loss) of one chunk; ``targets``
+        [rows, K] are groups, ``probs_k`` [rows, K] their probabilities."""
+        probs = _softmax_(logits)
+        member_p = probs.index_select(1, self.members)
+        coef = probs.new_zeros(probs.shape[0], self.size).index_add_(1, self.of, member_p)
+        mass = probs.gather(1, targets) + coef.gather(1, targets)
+        nll = -(mass.clamp_min(TINY_MASS).log() * probs_k).sum(1)
+        ratio = torch.where(mass > TINY_MASS, probs_k / mass.clamp_min(TINY_MASS), 0.0)
+        total = probs_k.sum(1, keepdim=True)
+        coef = coef.zero_().scatter_add_(1, targets, ratio).neg_().add_(total)  # sum_k p_k - p_g / Q_g
+        probs[:, self.size :].mul_(total)
+        probs[:, : self.size].mul_(coef)
+        return probs.index_copy_(1, self.members, member_p.mul_(coef.index_select(1, self.of))), nll
 
 
 class TrainableTokensHead:

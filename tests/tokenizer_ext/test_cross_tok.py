@@ -14,6 +14,7 @@ import torch
 from tests.tokenizer_ext.conftest import make_ctx
 from tokenizer_ext import cross_tok, embed
 from tokenizer_ext.stages import EmbedParams
+from warsha import lm_loss
 from warsha.training import TrainParams
 
 
@@ -66,7 +67,7 @@ def _brute_ce(
 
 
 def test_aggregated_ce_and_gradients_match_float64(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cross_tok, "CHUNK_ROWS", 4)  # several checkpointed chunks
+    monkeypatch.setattr(lm_loss, "CHUNK_ELEMENTS", 4 * 32)  # several chunks of 4 rows
     gen = torch.Generator().manual_seed(0)
     base_n, new, pad = 20, 9, 3
     hidden = torch.randn(10, 8, generator=gen, requires_grad=True)
@@ -171,7 +172,7 @@ def test_marked_rows_get_the_gradient_the_whole_head_would(monkeypatch: pytest.M
     that autograd through the whole assembled head gives, in float64."""
     from warsha.lm_loss import mark_trained_rows
 
-    monkeypatch.setattr(cross_tok, "CHUNK_ROWS", 4)
+    monkeypatch.setattr(lm_loss, "CHUNK_ELEMENTS", 4 * 32)
     gen = torch.Generator().manual_seed(1)
     base_n, new = 20, 9
     frozen = torch.randn(base_n + new + 2, 8, generator=gen, dtype=torch.float64)

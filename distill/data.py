@@ -110,6 +110,8 @@ def sample(
     import torch
     from transformers import DynamicCache
 
+    from warsha.sampling import draw
+
     was_training = model.training
     model.eval()
     cache = DynamicCache()
@@ -121,7 +123,7 @@ def sample(
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
+                nxt = draw(torch.softmax(logits / temperature, -1), generator)
             if columns is not None:
                 nxt = columns[nxt]
             out = torch.cat([out, nxt], dim=1)

@@ -93,8 +93,9 @@ GENERATE_BATCH = 64
 """Sequences sampled together. A decode step of a small model on a CPU is mostly per-op overhead,
 so more rows per step cost little more: the real recipe's 30 replay sequences took two batches of
 60 s at 16 and take one of about 80 s now (the stage's replay 128 -> 88 s with the model's load,
-Zen 4, 2 threads). Memory stays small: the cache holds ``batch * seq_len`` positions and each
-step's logits ``batch * vocab`` floats."""
+Zen 4, 2 threads), of which 64 s were ``torch.multinomial``'s draws (``warsha.sampling`` now).
+Memory stays small: the cache holds ``batch * seq_len`` positions and each step's logits
+``batch * vocab`` floats."""
 
 
 def generate(
@@ -130,6 +131,8 @@ def _sample(
     model: Any, prompt: torch.Tensor, seq_len: int, k: int, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch: the KV cache carries the prefix, each step records then samples."""
+    from warsha.sampling import draw
+
     device = next(model.parameters()).device
     ids = prompt.to(device)
     tops: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -141,7 +144,7 @@ def _sample(
         while ids.shape[1] < seq_len:
             probs, top = torch.softmax(logits.float(), -1), _top(logits, k)
             tops.append(top)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(device)
+            nxt = draw(probs, gen).to(device)
             ids = torch.cat([ids, nxt], 1)
             if ids.shape[1] == seq_len:
                 break

@@ -164,7 +164,7 @@ def adapt_one(
     windows, trained against the base's own distributions (``replay_loss``)."""
     from transformers import AutoTokenizer
 
-    from warsha.training import pack_documents, random_windows
+    from warsha.training import eval_point, pack_documents, random_windows
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     corpus = ctx.corpus()
@@ -189,10 +189,13 @@ def adapt_one(
             batch.update({REPLAY + k: v for k, v in rep.batch(rows).items()})
         return batch
 
+    def scores(model: Any, set_eval: bool = False) -> tuple[dict[str, float], dict[str, list[float]]]:
+        bpc = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length, set_eval=set_eval)
+        return bpc, quality.document_nll(model, tok, sets, p.eval_max_length, set_eval=set_eval)
+
     def eval_fn(model: Any) -> dict[str, float]:
-        curve = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length, set_eval=False)
-        nll = quality.document_nll(model, tok, sets, p.eval_max_length, set_eval=False)
-        return {**curve, **quality.domain_bpc(nll, sets)}
+        bpc, nll = scores(model)
+        return {**bpc, **quality.domain_bpc(nll, sets)}
 
     loss = _loss(ctx, p, new_ids, rep is not None)
     model, result, extra = _train(TrainJob(ctx, p, weights, new_ids, name, batch_fn, out, eval_fn, loss))
@@ -206,10 +209,13 @@ def adapt_one(
     }
     if model is None:
         return metrics
-    metrics["bits_per_char"] = quality.bits_per_char(model, tok, corpus, p.eval_docs, p.eval_max_length)
+    metrics["bits_per_char"], nll = scores(model, set_eval=True)
+    if t.eval_every:  # the curve's last point: the finished model, scored once (Trainer.final_eval)
+        end = {**metrics["bits_per_char"], **quality.domain_bpc(nll, sets)}
+        result.evals.append(eval_point(ctx, f"adapt_{name}", t.steps, end))
     metrics["script_leak"] = quality.script_leak(model, tok, corpus, p.eval_docs, p.eval_max_length)
     if sets:
-        metrics[DOMAIN_NLL] = quality.document_nll(model, tok, sets, p.eval_max_length)
+        metrics[DOMAIN_NLL] = nll
     if out is not None:
         model.save_pretrained(out)
     if p.gen_tokens:
@@ -326,6 +332,7 @@ def _train(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
         name=f"adapt_{name}",
         parameters=trainable,
         eval_fn=job.eval_fn,
+        final_eval=False,  # adapt_one scores the finished model
     )
     result = trainer.run()
     return (trainer.model.float() if ctx.is_main else None), result, info
@@ -377,6 +384,7 @@ def _train_qlora(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
         name=f"adapt_{name}",
         eval_fn=job.eval_fn,
         on_optimizer=_slow_base_rows(model, p, new_ids),
+        final_eval=False,  # adapt_one scores the finished model
     )
     result = trainer.run()
     info = {"trainable_params": trainable, "total_params": total, "trainable_new_rows": len(new_ids)}

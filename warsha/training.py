@@ -344,6 +344,13 @@ class AccelerateBackend:
         return plain
 
 
+def eval_point(ctx: "StageContext", name: str, step: int, result: dict[str, Any]) -> dict[str, float]:
+    """One point of a run's held-out curve (``TrainResult.evals``), logged to the stage's tracker."""
+    point = {k: float(v) for k, v in result.items()}
+    ctx.tracker.log({f"{name}/eval/{k}": v for k, v in point.items()}, step)
+    return {"step": step, **point}
+
+
 @dataclass
 class Trainer:
     """Runs ``p.steps`` optimizer steps of ``model`` on batches from ``batch_fn``.
@@ -365,6 +372,9 @@ class Trainer:
     parameters: list[Any] | None = None
     eval_fn: Callable[[Any], dict[str, float]] | None = None
     on_optimizer: Callable[[Any], None] | None = None
+    final_eval: bool = True
+    """False: the caller scores the finished model with the same metrics anyway and adds that
+    as the curve's last point (``eval_point``), so the loop does not score it twice."""
 
     def run(self) -> TrainResult:
         """Train, checkpointing every ``checkpoint_every`` steps; resume if a checkpoint exists."""
@@ -396,12 +406,21 @@ class Trainer:
             losses.append(loss)
             tokens += n_tok * backend.world_size
             self.report(bar, step, loss, tokens / max(time.perf_counter() - t0, 1e-9))
-            if self.p.eval_every and ((step + 1) % self.p.eval_every == 0 or step + 1 == self.p.steps):
+            if self._evaluates_at(step + 1):
                 self._evaluate(backend, step + 1)
             if (step + 1) % self.p.checkpoint_every == 0 and step + 1 < self.p.steps:
                 backend.save(self._ckpt_root(), step + 1, {"step": step + 1, "evals": self._evals})
         self.model = backend.finish(model, self.name)
         return TrainResult(losses, tokens, time.perf_counter() - t0, start, backend.world_size, self._evals)
+
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether the loop scores the model after ``step`` steps: every ``eval_every`` and at the
+        end, except at the end when the caller scores the finished model (``final_eval``)."""
+        if not self.p.eval_every:
+            return False
+        if step == self.p.steps:
+            return self.final_eval
+        return step % self.p.eval_every == 0
 
     def _evaluate(self, backend: TrainBackend, step: int) -> None:
         """Held-out metrics at ``step`` on rank 0 (``eval_fn`` must not use collectives).
@@ -417,11 +436,10 @@ class Trainer:
         for module in self.model.modules():
             module.training = _keeps_train_mode(module)
         with torch.no_grad():
-            result = {k: float(v) for k, v in self.eval_fn(self.model).items()}
+            result = self.eval_fn(self.model)
         for module, mode in modes.items():
             module.training = mode
-        self._evals.append({"step": step, **result})
-        self.ctx.tracker.log({f"{self.name}/eval/{k}": v for k, v in result.items()}, step)
+        self._evals.append(eval_point(self.ctx, self.name, step, result))
 
     def train_step(self, backend: TrainBackend, model: Any, opt: Any, step: int) -> tuple[float, int]:
         """One optimizer step (``grad_accum`` micro-batches): its mean loss and the tokens it saw.

@@ -38,6 +38,7 @@ def test_qlora_trains_only_new_rows(tmp_path: Path, sp_embedded_dir: Path, corpu
     m = adapt.run(ctx, p)
     curve = m["extended"]["bits_per_char_curve"]
     assert [c["step"] for c in curve] == [0, 1] and all(c["ar"] > 0 and c["en"] > 0 for c in curve)
+    assert curve[-1]["ar"] == m["extended"]["bits_per_char"]["ar"]  # the finished model, scored once
     assert (ctx.out_dir / "adapter" / "adapter_config.json").is_file()
     tok = AutoTokenizer.from_pretrained(ctx.out_dir)
     n_new = len(tok) - 32000

@@ -53,7 +53,7 @@ def _batch(step: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 16, (2, 8), generator=g)}
 
 
-def _run(root: Path, steps: int, crash_at: int | None = None) -> Any:
+def _run(root: Path, steps: int, crash_at: int | None = None, final_eval: bool = True) -> Any:
     held_out = torch.arange(16).repeat(2, 1)
     seen: list[bool] = []
 
@@ -67,7 +67,8 @@ def _run(root: Path, steps: int, crash_at: int | None = None) -> Any:
     p = TrainParams(
         steps=steps, batch_size=2, seq_len=8, lr=0.05, warmup_steps=0, checkpoint_every=2, eval_every=2, bf16=False
     )
-    result = Trainer(model=TinyLM(), p=p, ctx=_ctx(root), batch_fn=_batch, eval_fn=eval_fn).run()
+    trainer = Trainer(model=TinyLM(), p=p, ctx=_ctx(root), batch_fn=_batch, eval_fn=eval_fn, final_eval=final_eval)
+    result = trainer.run()
     assert not any(seen), "evaluation must run in eval mode"
     return result
 
@@ -77,6 +78,13 @@ def test_evaluates_at_start_every_n_steps_and_at_the_end(tmp_path: Path) -> None
     assert [e["step"] for e in result.evals] == [0, 2, 4, 5]
     assert all(set(e) == {"step", "loss"} for e in result.evals)
     assert result.evals[-1]["loss"] != result.evals[0]["loss"]
+
+
+def test_final_eval_off_leaves_the_last_step_to_the_caller(tmp_path: Path) -> None:
+    """A caller that scores the finished model itself (adapt) gets no last point from the loop,
+    also where the last step is a multiple of ``eval_every``."""
+    assert [e["step"] for e in _run(tmp_path / "a", steps=5, final_eval=False).evals] == [0, 2, 4]
+    assert [e["step"] for e in _run(tmp_path / "b", steps=6, final_eval=False).evals] == [0, 2, 4]
 
 
 def test_a_resumed_run_keeps_earlier_evaluations(tmp_path: Path) -> None:

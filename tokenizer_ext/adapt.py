@@ -210,7 +210,9 @@ def adapt_one(
     if model is None:
         return metrics
     metrics["bits_per_char"], nll = scores(model, set_eval=True)
-    if t.eval_every:  # the curve's last point: the finished model, scored once (Trainer.final_eval)
+    if t.eval_every and (not result.evals or result.evals[-1]["step"] != t.steps):
+        # the loop left its last point to this scoring (Trainer.final_eval: the same weights);
+        # QLoRA's loop scores its NF4 model, which the merge into float32 replaces, so it keeps it
         end = {**metrics["bits_per_char"], **quality.domain_bpc(nll, sets)}
         result.evals.append(eval_point(ctx, f"adapt_{name}", t.steps, end))
     metrics["script_leak"] = quality.script_leak(model, tok, corpus, p.eval_docs, p.eval_max_length)
@@ -332,7 +334,7 @@ def _train(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
         name=f"adapt_{name}",
         parameters=trainable,
         eval_fn=job.eval_fn,
-        final_eval=False,  # adapt_one scores the finished model
+        final_eval=False,  # the trained weights are the final model's: adapt_one scores them once
     )
     result = trainer.run()
     return (trainer.model.float() if ctx.is_main else None), result, info
@@ -384,7 +386,6 @@ def _train_qlora(job: TrainJob) -> tuple[Any, Any, dict[str, Any]]:
         name=f"adapt_{name}",
         eval_fn=job.eval_fn,
         on_optimizer=_slow_base_rows(model, p, new_ids),
-        final_eval=False,  # adapt_one scores the finished model
     )
     result = trainer.run()
     info = {"trainable_params": trainable, "total_params": total, "trainable_new_rows": len(new_ids)}

@@ -12,10 +12,15 @@ never per token in Python. Scores and softmax run in float32. On a CPU without n
 matmuls are emulated there, 3-15x slower); the output is rounded to bf16 once.
 
 Short chunks on the CPU (query length at most `KERNEL_MAX_QUERY`: decode steps and speculative
-verification, also inside a step that prefills others) go to serve's AVX2 kernel instead
+verification, also inside a step that prefills others) go to serve's kernel instead
 (`serve.cpu_kernels`), which reads the paged cache in place with an online softmax; for chunks
 of that shape this module's path is mostly op launches. Long prefill chunks stay on SDPA and
-the batched matmuls, whose GEMMs win there.
+the batched matmuls, whose GEMMs win there, except where the CPU multiplies bf16 natively
+(`cpu_kernels.has_bf16_dot`): a bf16 chunk with head size a multiple of 64 then goes to the
+kernel too, cut into `KERNEL_PREFILL_PIECE`-token pieces. A piece is a chunk of its own (its
+context ends at its last token), so the kernel's tasks spread over both threads and skip the
+keys after a piece's last token, where torch's causal SDPA ran at about 70 GFLOP/s (Zen 4,
+2 threads, Gemma 3's 4 heads of 256 on one KV head: a 512-token chunk 6.3 -> 3.8 ms).
 """
 
 from __future__ import annotations
@@ -57,11 +62,15 @@ class TorchAttentionMetadata:
     kernel_plan: cpu_kernels.AttentionPlan | None = None  # the short chunks, when the CPU kernel takes them
     chunks: list[SeqChunk] | None = None  # all chunks and their tables, for torch's plans if the kernel
     tables: torch.Tensor | None = None  # cannot take this forward's tensors after all
+    kernel_plan_all: cpu_kernels.AttentionPlan | None = None  # every chunk, long ones in pieces (bf16 dot CPUs)
 
 
 # query length up to which the CPU kernel attends a chunk (decode, speculative verification)
 KERNEL_MAX_QUERY = 16
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# tokens per piece of a long chunk on the kernel: 8-32 measured alike, 64 slower, a whole
+# 512-token chunk 2.7x slower (one task per KV head, and every key scored for every row)
+KERNEL_PREFILL_PIECE = 16
 
 
 def _check_layout(chunks: list[SeqChunk]) -> None:
@@ -147,10 +156,14 @@ class TorchPagedAttention:
         short = self._kernel_chunks(chunks)
         plan = self._plan(chunks, short, tables, block_size) if short else None
         taken = set(short)
-        groups = self._groups(chunks, [i for i in range(len(chunks)) if i not in taken], tables, block_size)
+        rest = [i for i in range(len(chunks)) if i not in taken]
+        groups = self._groups(chunks, rest, tables, block_size)
+        plan_all = None
+        if rest and self._kernel_takes_long():
+            plan_all = self._plan(chunks, list(range(len(chunks))), tables, block_size, KERNEL_PREFILL_PIECE)
         if self.device.type != "cpu":
             slot_mapping, groups = to_device(slot_mapping, self.device), [self._staged(g) for g in groups]
-        return TorchAttentionMetadata(slot_mapping, groups, num_tokens, plan, chunks, tables)
+        return TorchAttentionMetadata(slot_mapping, groups, num_tokens, plan, chunks, tables, kernel_plan_all=plan_all)
 
     def _staged(self, g: AttentionGroup) -> AttentionGroup:
         """`g` with its index and mask tensors on this backend's device."""
@@ -164,19 +177,37 @@ class TorchPagedAttention:
             return []
         return short
 
+    def _kernel_takes_long(self) -> bool:
+        """Whether long bf16 chunks may go to the kernel: a CPU with native bf16 dot products."""
+        return self.cpu_kernel is not False and self.device.type == "cpu" and cpu_kernels.has_bf16_dot()
+
     @staticmethod
     def _plan(
-        chunks: list[SeqChunk], idx: list[int], tables: torch.Tensor, block_size: int
+        chunks: list[SeqChunk], idx: list[int], tables: torch.Tensor, block_size: int, piece: int | None = None
     ) -> cpu_kernels.AttentionPlan:
-        """The kernel's inputs for the chunks `idx` (their query rows stay where they are in the batch)."""
-        picked = [chunks[i] for i in idx]
+        """The kernel's inputs for the chunks `idx` (their query rows stay where they are in the batch).
+
+        With `piece`, a chunk longer than that is cut into pieces of `piece` tokens, each a chunk
+        whose context ends at its own last token: the same rows see the same keys.
+        """
+        rows: list[int] = []
+        parts: list[tuple[int, int, int]] = []  # (query_start, query_len, context_len)
+        for i in idx:
+            c = chunks[i]
+            step = c.query_len if piece is None else piece
+            first = c.context_len - c.query_len
+            for a in range(0, c.query_len, step):
+                n = min(step, c.query_len - a)
+                rows.append(i)
+                parts.append((c.query_start + a, n, first + a + n))
+        same = rows == list(range(len(chunks)))
         return cpu_kernels.AttentionPlan(
-            block_tables=tables if len(idx) == len(chunks) else tables[torch.tensor(idx)],
-            context_lens=torch.tensor([c.context_len for c in picked]),
-            query_starts=torch.tensor([c.query_start for c in picked]),
-            query_lens=torch.tensor([c.query_len for c in picked]),
+            block_tables=tables if same else tables[torch.tensor(rows)],
+            context_lens=torch.tensor([p[2] for p in parts]),
+            query_starts=torch.tensor([p[0] for p in parts]),
+            query_lens=torch.tensor([p[1] for p in parts]),
             block_size=block_size,
-            window=picked[0].window,
+            window=chunks[idx[0]].window,
         )
 
     def _groups(
@@ -235,6 +266,9 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """q [T, H, D] against one layer's paged cache [Hkv, slots, D]; returns [T, H, D]."""
         plan, groups, out = metadata.kernel_plan, metadata.groups, None
+        whole = metadata.kernel_plan_all
+        if whole is not None and q.dtype == torch.bfloat16 == k_cache.dtype and q.shape[-1] % 64 == 0:
+            return cpu_kernels.paged_attention(q, k_cache, v_cache, whole, scale)  # every row, long chunks in pieces
         if plan is not None and q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in KERNEL_DTYPES:
             out = cpu_kernels.paged_attention(q, k_cache, v_cache, plan, scale)  # the short chunks' rows
         elif plan is not None:  # tensors the kernel cannot take (device, dtype): every chunk on torch

@@ -19,7 +19,7 @@ import torch
 
 from serve import cpu_kernels
 from serve.attention import SeqChunk, TorchPagedAttention
-from serve.attention.torch_ref import KERNEL_MAX_QUERY
+from serve.attention.torch_ref import KERNEL_MAX_QUERY, KERNEL_PREFILL_PIECE
 
 pytestmark = [
     pytest.mark.skipif(not cpu_kernels.available(), reason="serve's CPU kernels did not build here"),
@@ -149,6 +149,67 @@ def test_prefill_beside_decode_splits_between_kernel_and_torch(dtype: torch.dtyp
     got = backend.forward(q, k_new, v_new, kc, vc, meta, 0.2)
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.double(), brute_force(q, kc, vc, chunks, 16, 0.2), atol=tol, rtol=tol)
+
+
+def long_chunk_case(
+    seed: int, heads: int, kv_heads: int, dim: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[SeqChunk]]:
+    """Decode and verification chunks beside long ones, fresh and after cached context, bf16."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    bs, chunks, start = 16, [], 0
+    free = list(range(1, 1 + 6 * 40))
+    rng.shuffle(free)
+    for ctx, q_len in [(rng.randint(20, 300), 1), (37, 37), (rng.randint(150, 400), 70), (200, 5), (130, 130)]:
+        table = [free.pop() for _ in range(-(-ctx // bs))]
+        chunks.append(SeqChunk(start, q_len, ctx, table, window=window))
+        start += q_len
+    shape = (kv_heads, (1 + 6 * 40) * bs, dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_cache[:, :bs] = float("nan")
+    v_cache[:, :bs] = float("nan")
+    q = torch.randn(start, heads, dim, generator=gen)
+    return q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), chunks
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(4, 1, 256, None), (8, 2, 64, 100), (8, 2, 32, None)])
+def test_long_bf16_chunks_in_pieces_match_brute_force(
+    isa: str, seed: int, heads: int, kv_heads: int, dim: int, window: int | None
+) -> None:
+    """Where the CPU has bf16 dot products, long bf16 chunks go to the kernel in pieces of
+    KERNEL_PREFILL_PIECE tokens (each a chunk whose context ends at its last token); elsewhere,
+    or with a head size the fast algorithm does not take, they stay on torch. Every row is
+    within one bf16 step of the float64 loop, and no key outside a row's view is read."""
+    q, kc, vc, chunks = long_chunk_case(seed, heads, kv_heads, dim, window)
+    backend = TorchPagedAttention(cpu_kernel=True)
+    meta = backend.build_metadata(chunks, 16)
+    whole = meta.kernel_plan_all
+    if cpu_kernels.has_bf16_dot():
+        assert whole is not None
+        expected = [  # (first row, tokens, context) of every piece
+            (
+                c.query_start + a,
+                min(KERNEL_PREFILL_PIECE, c.query_len - a),
+                c.context_len - c.query_len + min(a + KERNEL_PREFILL_PIECE, c.query_len),
+            )
+            for c in chunks
+            for a in range(0, c.query_len, KERNEL_PREFILL_PIECE)
+        ]
+        assert (
+            list(zip(whole.query_starts.tolist(), whole.query_lens.tolist(), whole.context_lens.tolist())) == expected
+        )
+    else:
+        assert whole is None
+    k_new, v_new = kc[:, meta.slot_mapping].transpose(0, 1), vc[:, meta.slot_mapping].transpose(0, 1)
+    got = backend.forward(q, k_new, v_new, kc, vc, meta, dim**-0.5)
+    assert not got.isnan().any(), "a key outside a row's view was read"
+    ref = brute_force(q, kc, vc, chunks, 16, dim**-0.5)
+    if whole is not None and dim % 64 == 0:  # the kernel: float32 math rounded once
+        step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp(min=1e-6))) - 7)
+        assert ((got.double() - ref).abs() <= step + 1e-6).all()
+    else:  # torch's bf16 path rounds the probabilities to bf16 before the value product
+        torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_switched_off_kernel_plans_nothing() -> None:

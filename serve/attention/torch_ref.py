@@ -57,12 +57,13 @@ class TorchAttentionMetadata:
     """Per-forward indices shared by all layers."""
 
     slot_mapping: torch.Tensor
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup] | None  # None: built on first use (`torch_groups`)
     num_tokens: int
     kernel_plan: cpu_kernels.AttentionPlan | None = None  # the short chunks, when the CPU kernel takes them
     chunks: list[SeqChunk] | None = None  # all chunks and their tables, for torch's plans if the kernel
     tables: torch.Tensor | None = None  # cannot take this forward's tensors after all
     kernel_plan_all: cpu_kernels.AttentionPlan | None = None  # every chunk, long ones in pieces (bf16 dot CPUs)
+    torch_chunks: list[int] | None = None  # the chunks `groups` covers
 
 
 # query length up to which the CPU kernel attends a chunk (decode, speculative verification)
@@ -157,13 +158,22 @@ class TorchPagedAttention:
         plan = self._plan(chunks, short, tables, block_size) if short else None
         taken = set(short)
         rest = [i for i in range(len(chunks)) if i not in taken]
-        groups = self._groups(chunks, rest, tables, block_size)
-        plan_all = None
-        if rest and self._kernel_takes_long():
+        plan_all, groups = None, None
+        if rest and self._kernel_takes_long():  # torch's plans (masks of [B, Q, L]) only if a layer needs them
             plan_all = self._plan(chunks, list(range(len(chunks))), tables, block_size, KERNEL_PREFILL_PIECE)
+        else:
+            groups = self._groups(chunks, rest, tables, block_size)
         if self.device.type != "cpu":
             slot_mapping, groups = to_device(slot_mapping, self.device), [self._staged(g) for g in groups]
-        return TorchAttentionMetadata(slot_mapping, groups, num_tokens, plan, chunks, tables, kernel_plan_all=plan_all)
+        return TorchAttentionMetadata(slot_mapping, groups, num_tokens, plan, chunks, tables, plan_all, rest)
+
+    def torch_groups(self, metadata: TorchAttentionMetadata) -> list[AttentionGroup]:
+        """The torch path's plans for the chunks the kernel's short plan leaves, built once per forward."""
+        if metadata.groups is None:
+            assert metadata.chunks is not None and metadata.tables is not None and metadata.torch_chunks is not None
+            block_size = metadata.kernel_plan_all.block_size if metadata.kernel_plan_all is not None else 0
+            metadata.groups = self._groups(metadata.chunks, metadata.torch_chunks, metadata.tables, block_size)
+        return metadata.groups
 
     def _staged(self, g: AttentionGroup) -> AttentionGroup:
         """`g` with its index and mask tensors on this backend's device."""
@@ -265,10 +275,10 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         """q [T, H, D] against one layer's paged cache [Hkv, slots, D]; returns [T, H, D]."""
-        plan, groups, out = metadata.kernel_plan, metadata.groups, None
         whole = metadata.kernel_plan_all
         if whole is not None and q.dtype == torch.bfloat16 == k_cache.dtype and q.shape[-1] % 64 == 0:
             return cpu_kernels.paged_attention(q, k_cache, v_cache, whole, scale)  # every row, long chunks in pieces
+        plan, groups, out = metadata.kernel_plan, self.torch_groups(metadata), None
         if plan is not None and q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in KERNEL_DTYPES:
             out = cpu_kernels.paged_attention(q, k_cache, v_cache, plan, scale)  # the short chunks' rows
         elif plan is not None:  # tensors the kernel cannot take (device, dtype): every chunk on torch

@@ -492,34 +492,6 @@ torch::Tensor gemv_int4_a8(const torch::Tensor& x, const torch::Tensor& q, const
   WARSHA_DISPATCH(gemv_int4_a8, x, q, scales, zeros, group, out_dtype)
 }
 
-// RMSNorm of bf16 rows as transformers computes it: float32 mean of squares, x * rsqrt rounded
-// to bf16, then times the bf16 weight (rounded again). One call instead of torch's seven ops.
-torch::Tensor rms_norm_bf16(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16 && w_in.scalar_type() == torch::kBFloat16, "rms_norm_bf16 takes bf16 x and weight");
-  const torch::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  const int64_t H = w.numel();
-  TORCH_CHECK(x.size(-1) == H, "x's last dim (", x.size(-1), ") must equal the weight's size (", H, ")");
-  torch::Tensor out = torch::empty_like(x);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t rows = x.numel() / H;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = xp + r * H;
-    float sum = 0.f;
-    for (int64_t i = 0; i < H; ++i) {
-      const float v = bf16_to_float(xr[i]);
-      sum += v * v;
-    }
-    const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
-    for (int64_t i = 0; i < H; ++i) {
-      const float h = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv));
-      op[r * H + i] = float_to_bf16(bf16_to_float(wp[i]) * h);
-    }
-  }
-  return out;
-}
-
 // How many threads at::parallel_for really ran on: 1 when the library was built without OpenMP
 // (the pragma in torch's header is then ignored and every kernel silently runs serially).
 int64_t parallel_threads() {

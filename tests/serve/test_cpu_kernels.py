@@ -284,7 +284,7 @@ def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * h.to(x.dtype)
 
 
-@pytest.mark.parametrize("hidden", [64, 96, 1024, 2048])
+@pytest.mark.parametrize("hidden", [13, 64, 96, 100, 1024, 2048])
 def test_rms_norm_bf16_matches_transformers_formula(hidden: int) -> None:
     """Within one bf16 step of transformers' formula and nearly always equal: only the order of
     the float32 sum of squares differs."""
@@ -514,7 +514,9 @@ def test_argmax_rows_refuses_what_it_does_not_take() -> None:
         cpu_kernels.argmax_rows(torch.randn(8))
 
 
-@pytest.mark.parametrize("shape, weight_rows", [((9, 640), 1), ((300, 96), 1), ((7, 5, 256), 5), ((0, 64), 1)])
+@pytest.mark.parametrize(
+    "shape, weight_rows", [((9, 640), 1), ((300, 96), 1), ((7, 5, 256), 5), ((0, 64), 1), ((5, 100), 1), ((3, 13), 1)]
+)
 def test_rms_norm_bf16_scaled_matches_the_torch_formula(shape: tuple[int, ...], weight_rows: int) -> None:
     """Gemma's norm as serve writes it in torch, (rms_norm(x.float()) * (1 + w)).to(bf16), with one
     weight row per head where the weight has several (q/k norms): at most one bf16 step away and

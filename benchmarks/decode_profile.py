@@ -15,8 +15,9 @@ sum), so each part shows how far it is from memory speed.
 
 `--mixed N` profiles serve_peers' mixed workload instead (the first N of its 64 requests: prompts
 16-512, outputs 16-256, greedy, all submitted at once): the same parts summed over every step
-(prefill chunks beside decodes), attention split into serve's short-chunk kernel and the torch
-path of prefill chunks, per step and in seconds over the run.
+(prefill chunks beside decodes), attention split into serve's paged-attention kernel (decode
+rows, and prefill chunks too on CPUs with bf16 dot products) and torch's path, per step and in
+seconds over the run.
 
 Prints a table; writes benchmarks/results/decode_profile-<time>.json.
 """
@@ -86,10 +87,10 @@ def instrument(llm: LLM, t: Timers) -> None:
 
 
 def instrument_attention_split(llm: LLM, t: Timers) -> None:
-    """Time serve's short-chunk attention kernel on its own (the rest of "attention" is torch's path)."""
+    """Time serve's paged-attention kernel on its own; the rest of "attention" is torch's path."""
     import serve.attention.torch_ref as tr
 
-    tr.cpu_kernels.paged_attention = t.wrap("attention: short-chunk kernel", tr.cpu_kernels.paged_attention)
+    tr.cpu_kernels.paged_attention = t.wrap("attention: serve kernel", tr.cpu_kernels.paged_attention)
 
 
 def linear_bytes(llm: LLM) -> dict[str, int]:
@@ -171,9 +172,7 @@ def profile_mixed(model_dir: Path, args: argparse.Namespace, bw: float, **engine
     steps = t.calls["step"]
     per = {k: v / steps for k, v in t.seconds.items()}
     _derived_parts(per)
-    per["attention: torch path (prefill chunks)"] = per.get("attention", 0.0) - per.get(
-        "attention: short-chunk kernel", 0.0
-    )
+    per["attention: torch path"] = per.get("attention", 0.0) - per.get("attention: serve kernel", 0.0)
     tokens = sum(len(o.token_ids) for o in outs)
     return {
         "steps": steps,
@@ -203,7 +202,7 @@ def print_profile(name: str, r: dict[str, Any]) -> None:
     print(f"\n== {name}: {r['tok_per_s']:.2f} tok/s, {total * 1e3:.1f} ms/step over {r['steps']} steps")
     print(f"{'part':40} {'ms/step':>8} {'share':>6} {'MB read':>8} {'at BW ms':>8} {'of BW':>6}")
     order = ["linear qkv", "linear o", "linear gate_up", "linear down", "lm head", "attention"]
-    order += ["attention: short-chunk kernel", "attention: torch path (prefill chunks)", "kv write"]
+    order += ["attention: serve kernel", "attention: torch path", "kv write"]
     order += ["rms norm", "rope", "rope + kv write", "metadata", "forward: python and small ops"]
     order += ["sampler", "schedule", "commit"]
     order += ["step: engine python"]

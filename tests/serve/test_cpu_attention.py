@@ -162,6 +162,9 @@ def long_chunk_case(
     rng.shuffle(free)
     for ctx, q_len in [(rng.randint(20, 300), 1), (37, 37), (rng.randint(150, 400), 70), (200, 5), (130, 130)]:
         table = [free.pop() for _ in range(-(-ctx // bs))]
+        if window is not None:  # blocks no query of the chunk can see any more were handed back
+            first_visible = max(0, ctx - q_len - window + 1) // bs
+            table = [NULL_BLOCK] * first_visible + table[first_visible:]
         chunks.append(SeqChunk(start, q_len, ctx, table, window=window))
         start += q_len
     shape = (kv_heads, (1 + 6 * 40) * bs, dim)

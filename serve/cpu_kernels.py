@@ -226,16 +226,25 @@ def load() -> ModuleType | None:
     return lib
 
 
+def extension_name(csrc: Path = CSRC) -> str:
+    """The library's name: a hash of the sources under `csrc`, the flags, and `csrc` itself.
+
+    Checkouts of different versions never rebuild each other's library (nor replace it under a
+    running process), and neither do two checkouts of one version: torch's build.ninja names the
+    source paths, so with one name each would rebuild every object the other built, a minute or
+    more each time (and a test waiting on the other's build lock timed out).
+    """
+    text = b"".join((csrc / src.name).read_bytes() for src in SOURCES + HEADERS)
+    digest = hashlib.sha256(text + " ".join([*CFLAGS, *LDFLAGS, str(csrc)]).encode()).hexdigest()[:12]
+    return f"warsha_serve_gemv_avx2_{digest}"
+
+
 def _build() -> ModuleType | None:
     """Build (or find) the extension; None, after one log line naming why, where it fails."""
     try:
         from torch.utils import cpp_extension
 
-        # named by the hash of source and flags: checkouts of different versions never rebuild
-        # each other's library (nor replace it under a running process); the same source builds once
-        text = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
-        digest = hashlib.sha256(text + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
-        name = f"warsha_serve_gemv_avx2_{digest}"
+        name = extension_name()
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         with build_lock(build_dir):
             return cpp_extension.load(

@@ -533,3 +533,19 @@ def test_rms_norm_bf16_scaled_matches_the_torch_formula(shape: tuple[int, ...], 
         assert (got == ref).float().mean().item() > 0.999
     with pytest.raises(RuntimeError, match="float32 weight"):
         cpu_kernels.rms_norm_bf16_scaled(x, w.bfloat16(), 1e-6)
+
+
+def test_each_checkout_builds_its_own_library(tmp_path: Path) -> None:
+    """Two copies of the same sources get different library names (torch's build.ninja names the
+    source paths, so sharing one name made them rebuild each other's objects); one copy keeps its
+    name, and any change to a source gives a new one."""
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(cpu_kernels.CSRC, a)
+    shutil.copytree(cpu_kernels.CSRC, b)
+    assert cpu_kernels.extension_name(a) != cpu_kernels.extension_name(b)
+    assert cpu_kernels.extension_name(a) == cpu_kernels.extension_name(a)
+    before = cpu_kernels.extension_name(a)
+    (a / "norm.cpp").write_text((a / "norm.cpp").read_text() + "\n// changed\n")
+    assert cpu_kernels.extension_name(a) != before

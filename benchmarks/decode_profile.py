@@ -70,6 +70,8 @@ def instrument(llm: LLM, t: Timers) -> None:
         for part in ("qkv", "o", "gate_up", "down"):
             setattr(layer, part, t.wrap(f"linear {part}", getattr(layer, part)))
     model.head = t.wrap("lm head", model.head)
+    if model.screen is not None:  # greedy rows find their token through the screen instead (serve.head_screen)
+        model.screen.screened = t.wrap("lm head", model.screen.screened)  # type: ignore[method-assign]
     backend = model.backend
     backend.forward = t.wrap("attention", backend.forward)
     backend.build_metadata = t.wrap("metadata", backend.build_metadata)

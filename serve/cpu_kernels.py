@@ -50,6 +50,7 @@ CPP_FILES = (
     "rope_kv.cpp",
     "argmax.cpp",
     "screen.cpp",
+    "screen_gemm.cpp",
     "norm.cpp",
     "act.cpp",
     "bindings.cpp",
@@ -488,6 +489,52 @@ def screen_candidates(
     reaches its row's best lower bound less `step` of the larger best bound and less `slack`
     (serve/head_screen.py)."""
     return load().screen_candidates(approx, scale, scale_l1, a, c, step, slack)
+
+
+def screen_quantize(x: torch.Tensor, main_features: int, tail: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 rows x [M, K] (last `tail` channels wide) as the batch screen reads them: uint8
+    [M, main_features], int16 [M, tail] and float32 [M, 3] (t, t2, zero point; csrc/screen_gemm.cpp)."""
+    u, w16, params = load().screen_quantize(x, main_features, tail)
+    return u, w16, params
+
+
+def screen_gemm_u8(
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    a: torch.Tensor,
+    c: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The batch screen's int8 logits into out [M, V] from `screen_quantize` rows, the packed head
+    (main, tail, rowsum) and its (scale, scale_l1); returns each row's best (lower, upper) bound
+    [M, 2] under b = a * scale + c * scale_l1 (AVX-512 VNNI; csrc/screen_gemm.cpp)."""
+    return load().screen_gemm_u8(*rows, *packed, *scales, a, c, out)
+
+
+def screen_pairs(
+    approx: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
+    a: torch.Tensor,
+    c: torch.Tensor,
+    lohi: torch.Tensor,
+    step: float,
+    slack: float,
+    cap: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of approx, the columns that can hold its argmax (the floor of `screen_candidates`
+    from the best bounds lohi): (rows, cols) int64 in row-major order and per-row counts, -1 for a
+    row with more than `cap` (AVX-512)."""
+    rows, cols, counts = load().screen_pairs(approx, *scales, a, c, lohi, step, slack, cap)
+    return rows, cols, counts
+
+
+def gemv_bf16_pairs(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """float32 [P]: x[rows[p]] . w[cols[p]] for bf16 x and w, each as `gemv_bf16` gives it to a
+    decode batch (rounded through bf16); avx512_bf16 and amx variants only."""
+    out = torch.empty(rows.numel())
+    load().gemv_bf16_pairs(x, w, rows, cols, out)
+    return out
 
 
 def gated_act_bf16(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -29,6 +29,8 @@ import torch
 
 from serve import cpu_kernels, hugepages
 from serve.head_quant import quantize_rows_int8
+from serve.head_screen_batch import BatchScreen
+from serve.head_screen_batch import applies as batch_applies
 from serve.sampler import GumbelDraw
 
 MIN_ROWS = 16384  # smaller heads are a small share of a step; the bookkeeping would not pay
@@ -50,21 +52,48 @@ class HeadScreen:
         self.scale_max, self.scale_l1_max = float(scale.max()), float(self.scale_l1.max())
         self.calls, self.candidates = 0, 0  # screened rows of x, and rows computed exactly for them
         self.flat = 0  # rows of x for which so many rows could win that the whole head ran instead
+        # batches past the one-row kernel's rows: the packed uint8 screen where it runs
+        self.batch = BatchScreen(weight, self.q, self.scale, self.scale_l1) if batch_applies(weight) else None
 
-    def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def screened(
+        self, x: torch.Tensor, draw: GumbelDraw | None, small_rows: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """`logits` for decode-sized x (up to `small_rows` rows), the batch screen's for larger
+        argmax-only batches without sampled rows (into `out` when given); None where neither
+        applies (the batch screen still calibrating, a flat distribution): then the whole head."""
+        rows = x.shape[0]
+        if self.batch is not None:
+            self.batch.observe(x)
+        if 0 < rows <= small_rows:
+            return self.logits(x, draw)
+        if self.batch is None or not self.batch.ready or draw is not None:
+            return None
+        got, found = self.batch.logits(x, self.bounds, BF16_STEP, 1e-6, out)
+        self.calls += rows
+        if got is None:
+            self.flat += rows
+            return None
+        self.candidates += found
+        return got
+
+    def bounds(self, x: torch.Tensor, rounding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of x [rows, K]: a and c of the bound b_r = a * s_r + c * s_r ||q_r||_1.
 
-        Rounding: the int8 kernel rounds x to int16 on the VNNI variants (half a step of
-        max|x| / 32767 per element), and both kernels sum K float32 products, each sum within
-        K 2^-24 of sum |w x| <= s_r (||q_r||_1 + K / 2) max|x|; both are taken four times over.
-        The float32 roundings of the finished sums are within the floor's bf16 margin."""
+        Rounding: `rounding` [rows] bounds how far the int8 kernel moves each element of x (the
+        batch screen's uint8 / int16 steps, halved); by default the one-row kernel's: x rounded
+        to int16 on the VNNI variants (half a step of max|x| / 32767), else none. Both kernels sum K
+        float32 products, each sum within K 2^-24 of sum |w x| <= s_r (||q_r||_1 + K / 2) max|x|;
+        both are taken four times over. The float32 roundings of the finished sums are within
+        the floor's bf16 margin."""
         x32 = x.float()
         top = x32.abs().amax(dim=1)
         k = self.in_features
         slack = 1.0 + 2.0**-10  # float32 rounding of the bound itself and of the scales
         a = (x32.abs().sum(dim=1) * 0.5 + top * (k * k * 2.0**-23)) * slack
         eps_x = top * (k * 2.0**-22)
-        if cpu_kernels.int8_rounds_activations(k):  # the running variant rounds x to int16
+        if rounding is not None:
+            eps_x = eps_x + rounding
+        elif cpu_kernels.int8_rounds_activations(k):  # the running variant rounds x to int16
             eps_x = eps_x + top / 32767.0 * 0.5
         return a.contiguous(), (eps_x * slack).contiguous()
 

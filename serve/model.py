@@ -290,10 +290,15 @@ class DecoderModel:
             m = layer.down(self.gated_act(layer.gate_up(layer.pre_mlp_norm(x))))
             x = x + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
         x = self.norm(x.index_select(0, rows))
-        if argmax_only and self.screen is not None and 0 < x.shape[0] <= self.screen_rows and self.screen.pays:
-            return self.screen.logits(x, draw)  # exact at the argmax, int8 elsewhere; no soft-cap here
+        batch_screen = self.screen is not None and self.screen.batch is not None
+        in_buffer = reuse_logits and (isinstance(self.head, SlicedHead) or batch_screen)
+        buffer = self._logits.take(x.shape[0], self.lm_head.shape[0]) if in_buffer else None
+        if argmax_only and self.screen is not None and self.screen.pays:
+            screened = self.screen.screened(x, draw, self.screen_rows, buffer)
+            if screened is not None:
+                return screened  # exact at the argmax, int8 elsewhere; no soft-cap here
         if isinstance(self.head, SlicedHead):
-            logits = self.head(x, self._logits.take(x.shape[0], self.head.out_features) if reuse_logits else None)
+            logits = self.head(x, buffer)
         else:
             logits = self.head(x).float()  # on the device: the sampler runs there (serve.device_io)
         cap = c.final_logit_softcapping

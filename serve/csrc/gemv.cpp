@@ -468,6 +468,26 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
   WARSHA_DISPATCH(gemv_int8, x, q, scales, out_dtype)
 }
 
+// x [M, K] @ w.T at the pairs (rows[p], cols[p]) only, rounded through bf16, into out [P]
+// (avx512_bf16 and amx variants: the batch head screen runs only there).
+void gemv_bf16_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
+                     torch::Tensor out) {
+  TORCH_CHECK(g_isa == Isa::kAvx512Bf16 || g_isa == Isa::kAmx, "gemv_bf16_pairs needs the avx512_bf16 or amx variant");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.size(1) == x.size(1),
+              "w must be a contiguous bf16 [N, K] tensor with x's K");
+  const int64_t P = rows.numel();
+  for (const auto* t : {&rows, &cols})
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->numel() == P, "rows and cols must be int64 [P]");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.numel() == P, "out must be float32 [P]");
+  if (P == 0) return;
+  const auto lo_hi = [](const torch::Tensor& t) { return std::make_pair(t.min().item<int64_t>(), t.max().item<int64_t>()); };
+  const auto [r0, r1] = lo_hi(rows);
+  const auto [c0, c1] = lo_hi(cols);
+  TORCH_CHECK(r0 >= 0 && r1 < x.size(0) && c0 >= 0 && c1 < w.size(0), "pair indices out of range");
+  isa_avx512_bf16::gemv_bf16_pairs(x, w, rows, cols, out);
+}
+
 // Whether gemv_int8 rounds activations to int16 for this K under the running variant.
 bool int8_rounds_activations(int64_t K) {
   return (g_isa == Isa::kAvx512Vnni || g_isa == Isa::kAvx512Bf16 || g_isa == Isa::kAmx) && K <= kInt16MaxK;

@@ -467,6 +467,26 @@ void gemv_bf16_dot(const torch::Tensor& x_in, const torch::Tensor& w, float* y) 
     });
   }
 }
+
+// Chosen (row, column) pairs of x [M, K] @ w.T, bf16 both, each rounded to bf16 and widened: the
+// batch head screen's candidates (serve/head_screen_batch.py). Each pair runs dot_bf16_kernel<1>,
+// whose arithmetic per row and column is every gemv_bf16 path's wherever feature_chunk keeps K
+// whole (K <= 768 at 8 rows), so a candidate reads as it would in a decode batch of 1-8 rows.
+void gemv_bf16_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
+                     torch::Tensor out) {
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const int64_t K = x.size(1), P = rows.numel();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* cp = cols.data_ptr<int64_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      dot_bf16_kernel<1>(wp + cp[p] * K, xp + rp[p] * K, K, 1, 0, 1, y + p);
+      y[p] = bf16_to_float(float_to_bf16(y[p]));
+    }
+  });
+}
 #endif
 
 // ---- the entry points of this variant (gemv.cpp dispatches to them)

@@ -48,6 +48,12 @@ void best_bounds(const float* x, const float* s, const float* sl, float a, float
 
 }  // namespace
 
+// The least exact logit a row's argmax can have, less a bf16 rounding step (`step` of the larger
+// best bound) and `slack`: a column whose upper bound stays below it cannot win.
+float screen_floor(float lo, float hi, double step, double slack) {
+  return lo - std::max(std::fabs(lo), std::fabs(hi)) * static_cast<float>(step) - static_cast<float>(slack);
+}
+
 torch::Tensor screen_candidates(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
                                 const torch::Tensor& a, const torch::Tensor& c, double step, double slack) {
   TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == torch::kFloat32 && approx.is_contiguous(),
@@ -64,7 +70,7 @@ torch::Tensor screen_candidates(const torch::Tensor& approx, const torch::Tensor
   for (int64_t m = 0; m < M; ++m) {
     float lo, hi;
     best_bounds(x + m * V, s, sl, pa[m], pc[m], V, &lo, &hi);
-    floor[m] = lo - std::max(std::fabs(lo), std::fabs(hi)) * static_cast<float>(step) - static_cast<float>(slack);
+    floor[m] = screen_floor(lo, hi, step, slack);
   }
   std::vector<int64_t> ids;
   for (int64_t v0 = 0; v0 < V; v0 += 8) {

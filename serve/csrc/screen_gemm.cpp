@@ -1,0 +1,329 @@
+// The int8 screen of a large LM head for a batch of rows (serve/head_screen_batch.py says why and
+// proves the bound): uint8 activations times the int8 head with vpdpbusd, 64 products per
+// instruction (bf16's vdpbf16ps: 32), and a few wide ("tail") input channels as int16 with
+// vpdpwssd. Each output column sits in a vector lane, so no sum crosses lanes.
+//
+// Layouts (serve/head_screen_batch.py builds them from the head's int8 copy, its input channels
+// permuted so the tail channels come last; Vp rows, a multiple of 32, padded rows all zero):
+//   main   int8  [Vp / 16, Km * 16]: block b, quad j, byte 4 * lane + i = q[16 b + lane, 4 j + i]
+//   tail   int16 [Vp / 16, T * 16]:  block b, pair j, element 2 * lane + i = q[16 b + lane, Km + 2 j + i]
+//   rowsum int32 [Vp]: each row's sum of main weights (the zero point's correction)
+// Activations (screen_quantize): per row, the main channels as u = round(x / t) + z in [0, 255]
+// (t = (max - min) / 255 over the main channels and 0, z the zero point), the tail channels as
+// round(x / t2), t2 = max|x_tail| / 32767; every value moves by at most half its step.
+// Logit: y[m, v] = s_v * (t_m * (A - z_m * rowsum_v) + t2_m * B), A and B exact int32 sums
+// (|A| <= 255 * 127 * Km, |B| <= 32767 * 127 * T: below 2^31 for Km <= 66000, T <= 512).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kRows = 12;  // activation rows per tile: 2 blocks x 12 rows = 24 accumulators
+constexpr int64_t kGroupCols = 32;  // columns per tile (two blocks): their weights stay in L1
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int32_t load4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+struct Gemm {
+  const uint8_t* u;       // [M, Km]
+  const int16_t* w16;     // [M, T]
+  const float* params;    // [M, 3]: t, t2, z
+  const int8_t* main;
+  const int16_t* tail;
+  const int32_t* rowsum;  // [Vp]
+  const float* scale;     // [Vp]
+  const float* scale_l1;  // [Vp]
+  const float* a;         // [M]
+  const float* c;         // [M]
+  int64_t Km, T, V;
+  float* out;             // [M, V]
+};
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+namespace {
+
+// acc + the products of u8 x and s8 w (vpdpbusd) / of int16 pairs (vpdpwssd), as inline assembly
+// with the accumulator tied in and out: GCC 12 copies the accumulators of the intrinsics between
+// two register sets every step and, at 24 of them, spills to the stack (half the rate measured).
+#define WARSHA_DP(name)                                                               \
+  inline __m512i name(__m512i acc, __m512i x, __m512i w) {                            \
+    asm(#name " %[w], %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(x), [w] "v"(w));      \
+    return acc;                                                                       \
+  }
+WARSHA_DP(vpdpbusd)
+WARSHA_DP(vpdpwssd)
+#undef WARSHA_DP
+
+
+// a0 / a1 [R] += `dot` of each row's 4 bytes a step (broadcast; rows `xstride` bytes apart) and
+// the two blocks' 64 weight bytes a step (the second block `steps` steps after the first). `ahead`:
+// also prefetch the next tile's weights into L2, two lines a step (on the first rows of a tile,
+// the later rows then find the weights in L1, and the next tile finds its own in L2 rather than
+// in DRAM, which at 12 rows delivers them slower than the products consume them).
+template <int R, typename Dot>
+inline void accumulate(__m512i* a0, __m512i* a1, const char* w, const void* x_in, int64_t xstride, int64_t steps, bool ahead,
+                       Dot dot) {
+  const char* x = static_cast<const char*>(x_in);
+  for (int64_t q = 0; q < steps; ++q) {
+    if (ahead) {
+      _mm_prefetch(w + (2 * steps + 2 * q) * 64, _MM_HINT_T1);
+      _mm_prefetch(w + (2 * steps + 2 * q + 1) * 64, _MM_HINT_T1);
+    }
+    const __m512i w0 = _mm512_loadu_si512(w + q * 64), w1 = _mm512_loadu_si512(w + (steps + q) * 64);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i xb = _mm512_set1_epi32(load4(x + r * xstride + 4 * q));
+      a0[r] = dot(a0[r], xb, w0);
+      a1[r] = dot(a1[r], xb, w1);
+    }
+  }
+}
+
+// Rows m0 .. m0 + R - 1 by the 32 columns of blocks b0, b0 + 1; each row's lower and upper
+// bounds (y -+ b) folded into lo / hi [R * 16] lanes. One-dimensional accumulator arrays, fully
+// unrolled: GCC keeps them in registers (a two-dimensional one it spilled on every product).
+// `ahead`: prefetch the next tile's weights (accumulate).
+template <int R>
+void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead) {
+  const int64_t Kq = g.Km / 4, Tp = g.T / 2;
+  alignas(64) float part[2][R][kLanes];  // the main channels' share of each logit
+  {
+    __m512i a0[R], a1[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+    accumulate<R>(a0, a1, reinterpret_cast<const char*>(g.main + b0 * Kq * 64), g.u + m0 * g.Km, g.Km, Kq, ahead,
+                  [](__m512i acc, __m512i x, __m512i w) { return vpdpbusd(acc, x, w); });
+    const int64_t col = b0 * kLanes;
+    const __m512i rs0 = _mm512_loadu_si512(g.rowsum + col), rs1 = _mm512_loadu_si512(g.rowsum + col + kLanes);
+    const __m512 s0 = _mm512_loadu_ps(g.scale + col), s1 = _mm512_loadu_ps(g.scale + col + kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float* p = g.params + (m0 + r) * 3;
+      const __m512i z = _mm512_set1_epi32(static_cast<int32_t>(p[2]));
+      const __m512 t = _mm512_set1_ps(p[0]);
+      _mm512_store_ps(part[0][r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0[r], _mm512_mullo_epi32(z, rs0))), _mm512_mul_ps(s0, t)));
+      _mm512_store_ps(part[1][r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1[r], _mm512_mullo_epi32(z, rs1))), _mm512_mul_ps(s1, t)));
+    }
+  }
+  __m512i a0[R], a1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+  accumulate<R>(a0, a1, reinterpret_cast<const char*>(g.tail + b0 * Tp * 32), g.w16 + m0 * g.T, g.T * 2, Tp, ahead,
+                [](__m512i acc, __m512i x, __m512i w) { return vpdpwssd(acc, x, w); });
+  alignas(64) int32_t tails[2][R][kLanes];  // the tail channels' sums
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_si512(tails[0][r], a0[r]);
+    _mm512_store_si512(tails[1][r], a1[r]);
+  }
+  for (int j = 0; j < 2; ++j) {
+    const int64_t col = (b0 + j) * kLanes;
+    const int64_t left = g.V - col;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 sv = _mm512_loadu_ps(g.scale + col), slv = _mm512_loadu_ps(g.scale_l1 + col);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m512 t2 = _mm512_mul_ps(sv, _mm512_set1_ps(g.params[m * 3 + 1]));
+      const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tails[j][r])), t2, _mm512_load_ps(part[j][r]));
+      _mm512_mask_storeu_ps(g.out + m * g.V + col, mask, y);
+      const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(g.c[m]), slv, _mm512_mul_ps(_mm512_set1_ps(g.a[m]), sv));
+      float* lr = lo + r * kLanes;
+      float* hr = hi + r * kLanes;
+      _mm512_storeu_ps(lr, _mm512_mask_max_ps(_mm512_loadu_ps(lr), mask, _mm512_loadu_ps(lr), _mm512_sub_ps(y, b)));
+      _mm512_storeu_ps(hr, _mm512_mask_max_ps(_mm512_loadu_ps(hr), mask, _mm512_loadu_ps(hr), _mm512_add_ps(y, b)));
+    }
+  }
+}
+
+void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead) {
+  switch (rows) {
+    case 1: return tile<1>(g, m0, b0, lo, hi, ahead);
+    case 2: return tile<2>(g, m0, b0, lo, hi, ahead);
+    case 3: return tile<3>(g, m0, b0, lo, hi, ahead);
+    case 4: return tile<4>(g, m0, b0, lo, hi, ahead);
+    case 5: return tile<5>(g, m0, b0, lo, hi, ahead);
+    case 6: return tile<6>(g, m0, b0, lo, hi, ahead);
+    case 7: return tile<7>(g, m0, b0, lo, hi, ahead);
+    case 8: return tile<8>(g, m0, b0, lo, hi, ahead);
+    case 9: return tile<9>(g, m0, b0, lo, hi, ahead);
+    case 10: return tile<10>(g, m0, b0, lo, hi, ahead);
+    case 11: return tile<11>(g, m0, b0, lo, hi, ahead);
+    default: return tile<kRows>(g, m0, b0, lo, hi, ahead);
+  }
+}
+
+// The columns of one row of logits whose upper bound reaches `floor`, ascending, appended to
+// `cols`; false (and `cols` left with at most `cap` more) when more than `cap` do.
+bool row_candidates(const float* y, const float* s, const float* sl, float a, float c, float floor, int64_t V, int64_t cap,
+                    std::vector<int64_t>& cols) {
+  const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(c), vf = _mm512_set1_ps(floor);
+  const size_t start = cols.size();
+  for (int64_t v = 0; v < V; v += kLanes) {
+    const int64_t left = V - v;
+    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 b = _mm512_fmadd_ps(vc, _mm512_maskz_loadu_ps(mask, sl + v), _mm512_mul_ps(va, _mm512_maskz_loadu_ps(mask, s + v)));
+    const __m512 up = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y + v), b);
+    for (unsigned hit = _mm512_mask_cmp_ps_mask(mask, up, vf, _CMP_GE_OQ); hit; hit &= hit - 1) {
+      if (static_cast<int64_t>(cols.size() - start) >= cap) return false;
+      cols.push_back(v + __builtin_ctz(hit));
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+namespace {
+
+void check_f32(const torch::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n, name, " must be contiguous float32 with ",
+              n, " values");
+}
+
+}  // namespace
+
+// x float32 [M, K], its last T channels the tail: {u uint8 [M, Km], w16 int16 [M, T], params
+// float32 [M, 3] (t, t2, z)}; main channels K - T .. Km - 1 (padding) read as the zero point.
+std::vector<torch::Tensor> screen_quantize(const torch::Tensor& x_in, int64_t Km, int64_t T) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32, "x must be float32 [rows, features]");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), main = K - T;
+  TORCH_CHECK(T >= 0 && T % 2 == 0 && main >= 0 && Km >= main && Km % 4 == 0, "bad split: K ", K, ", Km ", Km, ", T ", T);
+  torch::Tensor u = torch::empty({M, Km}, torch::kUInt8), w16 = torch::zeros({M, T}, torch::kInt16);
+  torch::Tensor params = torch::empty({M, 3}, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  uint8_t* up = u.data_ptr<uint8_t>();
+  int16_t* wp = w16.data_ptr<int16_t>();
+  float* pp = params.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * K;
+    float lo = 0.f, hi = 0.f, top = 0.f;
+    for (int64_t k = 0; k < main; ++k) lo = std::min(lo, xr[k]), hi = std::max(hi, xr[k]);
+    for (int64_t k = main; k < K; ++k) top = std::max(top, std::fabs(xr[k]));
+    const float t = (hi - lo) / 255.f, t2 = top / 32767.f;
+    const float z = t > 0.f ? std::min(255.f, std::max(0.f, std::nearbyint(-lo / t))) : 0.f;
+    uint8_t* ur = up + m * Km;
+    for (int64_t k = 0; k < main; ++k)
+      ur[k] = t > 0.f ? static_cast<uint8_t>(std::min(255.f, std::max(0.f, std::nearbyint(xr[k] / t) + z))) : 0;
+    std::fill(ur + main, ur + Km, static_cast<uint8_t>(z));
+    if (t2 > 0.f)
+      for (int64_t k = 0; k < T; ++k)
+        wp[m * T + k] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, std::nearbyint(xr[main + k] / t2))));
+    pp[m * 3] = t, pp[m * 3 + 1] = t2, pp[m * 3 + 2] = z;
+  }
+  return {u, w16, params};
+}
+
+// out [M, V] = the int8 logits of screen_quantize's rows (see the header); returns float32
+// [M, 2]: each row's best lower and upper bound, max over v of y -+ (a * scale + c * scale_l1).
+torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, const torch::Tensor& params,
+                             const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
+                             const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
+                             const torch::Tensor& c, torch::Tensor out) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
+              "screen_gemm_u8 needs AVX-512 VNNI");
+  TORCH_CHECK(u.dim() == 2 && u.scalar_type() == torch::kUInt8 && u.is_contiguous(), "u must be uint8 [M, Km]");
+  const int64_t M = u.size(0), Km = u.size(1), T = w16.size(1), V = out.size(1);
+  TORCH_CHECK(w16.scalar_type() == torch::kInt16 && w16.is_contiguous() && w16.size(0) == M, "w16 must be int16 [M, T]");
+  check_f32(params, M * 3, "params");
+  TORCH_CHECK(main.scalar_type() == torch::kInt8 && main.is_contiguous() && main.dim() == 2 && main.size(1) == Km * kLanes,
+              "main must be int8 [Vp / 16, Km * 16]");
+  const int64_t Vp = main.size(0) * kLanes;
+  TORCH_CHECK(Vp % kGroupCols == 0 && Vp >= V, "packed rows must be a multiple of 32 covering V");
+  TORCH_CHECK(tail.scalar_type() == torch::kInt16 && tail.is_contiguous() && tail.numel() == Vp * T, "tail must be int16 [Vp / 16, T * 16]");
+  TORCH_CHECK(rowsum.scalar_type() == torch::kInt32 && rowsum.is_contiguous() && rowsum.numel() == Vp, "rowsum must be int32 [Vp]");
+  check_f32(scale, Vp, "scale");
+  check_f32(scale_l1, Vp, "scale_l1");
+  check_f32(a, M, "a");
+  check_f32(c, M, "c");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M,
+              "out must be contiguous float32 [M, V]");
+  const Gemm g{u.data_ptr<uint8_t>(), w16.data_ptr<int16_t>(), params.data_ptr<float>(), main.data_ptr<int8_t>(),
+               tail.data_ptr<int16_t>(), rowsum.data_ptr<int32_t>(), scale.data_ptr<float>(), scale_l1.data_ptr<float>(),
+               a.data_ptr<float>(), c.data_ptr<float>(), Km, T, V, out.data_ptr<float>()};
+  std::vector<float> lo(M * kLanes, kNegInf), hi(M * kLanes, kNegInf);
+  std::mutex merge;
+  const int64_t groups = (V + kGroupCols - 1) / kGroupCols;
+  at::parallel_for(0, groups, 64, [&](int64_t g0, int64_t g1) {
+    std::vector<float> tlo(M * kLanes, kNegInf), thi(M * kLanes, kNegInf);
+    for (int64_t grp = g0; grp < g1; ++grp)
+      for (int64_t m0 = 0; m0 < M; m0 += kRows)
+        tile_any(static_cast<int>(std::min<int64_t>(kRows, M - m0)), g, m0, grp * 2, tlo.data() + m0 * kLanes,
+                 thi.data() + m0 * kLanes, m0 == 0 && grp + 1 < groups);
+    const std::lock_guard<std::mutex> hold(merge);
+    for (int64_t i = 0; i < M * kLanes; ++i) lo[i] = std::max(lo[i], tlo[i]), hi[i] = std::max(hi[i], thi[i]);
+  });
+  torch::Tensor bounds = torch::empty({M, 2}, torch::kFloat32);
+  float* bp = bounds.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    bp[m * 2] = *std::max_element(lo.begin() + m * kLanes, lo.begin() + (m + 1) * kLanes);
+    bp[m * 2 + 1] = *std::max_element(hi.begin() + m * kLanes, hi.begin() + (m + 1) * kLanes);
+  }
+  return bounds;
+}
+
+float screen_floor(float lo, float hi, double step, double slack);  // screen.cpp
+
+// Per row m of approx [M, V], the columns whose upper bound approx + a*scale + c*scale_l1 reaches
+// the row's floor (screen_floor of its best bounds lohi [M, 2], as screen_candidates): {rows
+// int64 [P], cols int64 [P]} in row-major order, and per-row counts int64 [M], -1 for a row with
+// more than `cap` (its columns then left out).
+std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
+                                        const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi, double step,
+                                        double slack, int64_t cap) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "screen_pairs needs AVX-512");
+  TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == torch::kFloat32 && approx.is_contiguous(), "approx must be float32 [M, V]");
+  const int64_t M = approx.size(0), V = approx.size(1);
+  TORCH_CHECK(scale.numel() >= V && scale_l1.numel() >= V, "scales must cover V");
+  check_f32(a, M, "a");
+  check_f32(c, M, "c");
+  check_f32(lohi, M * 2, "lohi");
+  std::vector<std::vector<int64_t>> per(M);
+  std::vector<int64_t> counts(M);
+  const float *y = approx.data_ptr<float>(), *s = scale.data_ptr<float>(), *sl = scale_l1.data_ptr<float>();
+  const float *pa = a.data_ptr<float>(), *pc = c.data_ptr<float>(), *pb = lohi.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float floor = screen_floor(pb[2 * m], pb[2 * m + 1], step, slack);
+      const bool ok = row_candidates(y + m * V, s, sl, pa[m], pc[m], floor, V, cap, per[m]);
+      counts[m] = ok ? static_cast<int64_t>(per[m].size()) : -1;
+      if (!ok) per[m].clear();
+    }
+  });
+  int64_t P = 0;
+  for (const auto& p : per) P += static_cast<int64_t>(p.size());
+  torch::Tensor rows = torch::empty({P}, torch::kLong), cols = torch::empty({P}, torch::kLong);
+  int64_t* rp = rows.data_ptr<int64_t>();
+  int64_t* cp = cols.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    std::fill(rp, rp + per[m].size(), m);
+    std::copy(per[m].begin(), per[m].end(), cp);
+    rp += per[m].size();
+    cp += per[m].size();
+  }
+  torch::Tensor count = torch::empty({M}, torch::kLong);
+  std::copy(counts.begin(), counts.end(), count.data_ptr<int64_t>());
+  return {rows, cols, count};
+}

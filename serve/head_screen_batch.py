@@ -1,0 +1,132 @@
+"""The int8 screen of a large LM head for batches of rows: the exact argmax at twice bf16's product rate.
+
+Why: in a mixed step (24-64 logits rows) the head is bound by arithmetic, not by reading it:
+Gemma 3 270M's 262k-row head took 37 of 129 ms a step on a 2-core Zen 4 through oneDNN's bf16
+GEMM, near the 32 products per instruction of vdpbf16ps. `serve.head_screen` finds the argmax
+of 1-8 rows from an int8 copy of the head but multiplies in int16 (vpdpwssd: 32 products an
+instruction too). Here the activations are rounded to uint8 as well, and vpdpbusd takes 64
+(csrc/screen_gemm.cpp). The bound keeps `HeadScreen`'s form, b_r = s_r (||x||_1 / 2 + eps_x
+||q_r||_1), with eps_x the activations' rounding: half of max(t, t2) (uint8 step t of the main
+channels, int16 step t2 of the tail) plus the float32 terms `HeadScreen.bounds` adds.
+
+Tail channels: Gemma 3's final hidden states carry a few channels twenty times the typical size
+(median max|x| 69 against a median |x| of 3); one uint8 step for the whole row would be set by
+them, and 95k of 262k rows would pass the screen. The `TAIL` channels with the largest mean |x|
+over the first `CALIBRATION_ROWS` rows the head reads stay int16 (median 69-101 candidates a row
+on real hidden states); until then batches take the whole head. The choice moves only the speed:
+the bound holds for any choice, so every row keeps its token.
+
+Candidates are each row's own (not the union over rows), computed by `gemv_bf16_pairs`: the
+numbers the head's decode kernel gives those rows, so a row's greedy token through this screen
+is the one a decode batch of 1-8 rows finds for it. Only on the avx512_bf16 variant (where that
+kernel is vdpbf16ps; AMX hosts run the whole head on tiles at a higher rate than this), for bf16
+heads and argmax-only batches without sampled rows. Memory: a second int8 copy in the packed
+layout, half of the bf16 head.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from serve import cpu_kernels, hugepages
+
+log = logging.getLogger("serve.head_screen")
+
+TAIL = 32  # input channels kept int16 (fewer for narrow heads: `tail_width`)
+CALIBRATION_ROWS = 256  # head rows whose mean |x| per channel picks the tail
+LANES = 16  # output columns per block of the packed layout
+GROUP = 32  # output columns per tile: the packed rows are padded to a multiple of it
+FLAT_SHARE = 4  # a row with more than 1 / FLAT_SHARE of the rows as candidates: the whole head instead
+# (x, per-row activation rounding) -> (a, c) of the bound a * s_r + c * s_r ||q_r||_1 (`HeadScreen.bounds`)
+BoundsFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def tail_width(features: int) -> int:
+    """Channels kept int16 for a head with this many input features: `TAIL`, or an eighth of
+    narrow ones (even: the int16 pairs of vpdpwssd)."""
+    return min(TAIL, features // 8 // 2 * 2)
+
+
+def applies(weight: torch.Tensor) -> bool:
+    """Whether a head (bf16, on the CPU) runs through this screen on the running kernel variant."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_kernels.isa() == "avx512_bf16"
+
+
+class BatchScreen:
+    """The packed uint8 x int8 screen of a head for many rows, calibrated on the rows it first sees."""
+
+    def __init__(self, weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_l1: torch.Tensor) -> None:
+        self.weight, self.q = weight, q
+        self.out_features, self.in_features = q.shape
+        self.tail = tail_width(self.in_features)
+        self.main = (self.in_features - self.tail + 3) // 4 * 4  # uint8 channels, padded to quads
+        self._row_scales = (scale, scale_l1)
+        self.seen = 0
+        self.calls = 0  # rows this screen found the argmax of
+        self.sums = torch.zeros(self.in_features, dtype=torch.float64)
+        self.perm: torch.Tensor | None = None  # input channels, main then tail; None until calibrated
+        self.packed: tuple[torch.Tensor, ...] = ()  # main, tail, rowsum (csrc/screen_gemm.cpp)
+        self.scales: tuple[torch.Tensor, ...] = ()  # scale and scale_l1, padded to the packed rows
+
+    @property
+    def ready(self) -> bool:
+        """True once the tail is chosen and the head packed."""
+        return self.perm is not None
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Count rows of the head's input toward the calibration; pack the head once enough came."""
+        if self.ready:
+            return
+        self.sums += x.float().abs().sum(dim=0, dtype=torch.float64)
+        self.seen += x.shape[0]
+        if self.seen >= CALIBRATION_ROWS:
+            self._pack()
+
+    def _pack(self) -> None:
+        """The packed layouts of csrc/screen_gemm.cpp, the tail the widest channels on average."""
+        k, t, v = self.in_features, self.tail, self.out_features
+        tail = self.sums.topk(t).indices.sort().values
+        keep = torch.ones(k, dtype=torch.bool)
+        keep[tail] = False
+        perm = torch.cat([keep.nonzero()[:, 0], tail])
+        vp = -(-v // GROUP) * GROUP
+        q = self.q.index_select(1, perm)
+        main = torch.zeros(vp, self.main, dtype=torch.int8)
+        main[:v, : k - t] = q[:, : k - t]
+        rowsum = main.sum(dim=1, dtype=torch.int32)
+        main = main.view(vp // LANES, LANES, self.main // 4, 4).transpose(1, 2).reshape(vp // LANES, -1).contiguous()
+        wide = torch.zeros(vp, t, dtype=torch.int16)
+        wide[:v] = q[:, k - t :]
+        wide = wide.view(vp // LANES, LANES, t // 2, 2).transpose(1, 2).reshape(vp // LANES, -1).contiguous()
+        self.packed = (hugepages.place(main), wide, rowsum)
+        scale, scale_l1 = (torch.nn.functional.pad(s, (0, vp - v)).contiguous() for s in self._row_scales)
+        self.scales = (scale, scale_l1)
+        self.perm = perm
+        log.info("head screen: batches through uint8 x int8 (%d of %d channels int16, from %d rows)", t, k, self.seen)
+
+    def logits(
+        self, x: torch.Tensor, bounds: BoundsFn, step: float, slack: float, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, int]:
+        """float32 [rows, V]: exact logits at each row's candidates, int8 ones elsewhere (their
+        argmax is the whole head's), and the candidates found; (None, -1) where some row has so
+        many (a flat distribution) that the whole head is cheaper."""
+        assert self.perm is not None, "BatchScreen.logits before calibration"
+        rows = x.shape[0]
+        quantized = cpu_kernels.screen_quantize(x.float().index_select(1, self.perm), self.main, self.tail)
+        params = quantized[2]
+        a, c = bounds(x, torch.maximum(params[:, 0], params[:, 1]) * 0.5)
+        if not bool(torch.isfinite(a).all()):  # inf or NaN activations: the whole head says what they give
+            return None, -1
+        out = torch.empty(rows, self.out_features) if out is None else out
+        lohi = cpu_kernels.screen_gemm_u8(quantized, self.packed, self.scales, a, c, out)
+        cap = self.out_features // FLAT_SHARE
+        r, cols, counts = cpu_kernels.screen_pairs(out, self.scales, a, c, lohi, step, slack, cap)
+        if bool((counts < 0).any()):
+            return None, -1
+        exact = cpu_kernels.gemv_bf16_pairs(x.contiguous(), self.weight, r, cols)
+        out.view(-1).index_copy_(0, r * self.out_features + cols, exact)
+        self.calls += rows
+        return out, cols.numel()

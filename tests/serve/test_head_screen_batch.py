@@ -1,0 +1,201 @@
+"""The batch head screen (`serve.head_screen_batch`): many rows' argmax through uint8 x int8 products.
+
+References: float64 products of the same int8 weights and rounded activations (the kernel's sums
+are exact integers), float64 products on the bf16 head (the bound), a brute-force loop (the
+candidates), `gemv_bf16` (the exact values, bit for bit), the whole head through its decode
+kernel (the argmax, ties and near-ties included) and the engine without the screen (greedy
+tokens). Every kernel variant the CPU runs: the batch screen where it applies (avx512_bf16),
+its absence everywhere else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from serve import LLM, SamplingParams, cpu_kernels, head_screen_batch
+from serve.head_screen import HeadScreen
+from serve.sampler import GumbelDraw
+from tests.serve.conftest import make_model
+from tests.serve.test_head_screen import _head, _rows
+
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.available(), reason="serve's CPU kernels did not build here"),
+    pytest.mark.usefixtures("isa"),
+]
+
+
+def _screen(w: torch.Tensor, isa: str) -> HeadScreen:
+    """A screen of `w` with its batch layout calibrated; skips where the batch screen does not run,
+    after checking that it is absent there."""
+    screen = HeadScreen(w)
+    if isa != "avx512_bf16":
+        assert screen.batch is None  # other variants keep the whole head for batches
+        pytest.skip(f"the batch screen runs on avx512_bf16 only, not {isa}")
+    assert screen.batch is not None
+    g = torch.Generator().manual_seed(11)
+    screen.batch.observe(torch.randn(head_screen_batch.CALIBRATION_ROWS, w.shape[1], generator=g).to(w.dtype))
+    assert screen.batch.ready
+    return screen
+
+
+def _quantized(screen: HeadScreen, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b = screen.batch
+    assert b is not None and b.perm is not None
+    return cpu_kernels.screen_quantize(x.float().index_select(1, b.perm), b.main, b.tail)
+
+
+def test_quantized_rows_move_each_value_by_at_most_half_a_step(isa: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 198, generator=g)
+    x[:, :5] *= 30  # outliers in the main channels too
+    x[3] = x[3].abs()  # a one-sided row: the zero point at 0
+    x[4] = 0.0  # an empty row
+    tail, main = 24, 176  # 174 main channels padded to 176
+    u, w16, params = cpu_kernels.screen_quantize(x, main, tail)
+    t, t2, z = (params[:, i].double()[:, None] for i in range(3))
+    back_main = t * (u.double()[:, :174] - z)
+    back_tail = t2 * w16.double()
+    assert ((back_main - x[:, :174].double()).abs() <= t * 0.5 * (1 + 1e-6)).all()
+    assert ((back_tail - x[:, 174:].double()).abs() <= t2 * 0.5 * (1 + 1e-6)).all()
+    assert torch.equal(u[:, 174:].double(), z.expand(-1, 2))  # padding reads as zero
+    assert float(params[4].abs().sum()) == 0.0 and int(u[4].sum()) == 0
+    assert float(z[3]) == 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 30])
+def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: int) -> None:
+    w = _head(1003, 198, torch.bfloat16, seed=rows)  # 1003 rows: the last tile part padding
+    screen = _screen(w, isa)
+    b = screen.batch
+    assert b is not None and b.perm is not None
+    x = _rows(rows, 198, torch.bfloat16, rows, w)
+    u, w16, params = quantized = _quantized(screen, x)
+    a, c = torch.rand(rows), torch.rand(rows)
+    out = torch.empty(rows, 1003)
+    lohi = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, out)
+    q = screen.q.index_select(1, b.perm).double()
+    k_main = 198 - b.tail
+    t, t2, z = (params[:, i].double()[:, None] for i in range(3))
+    main = (u.double()[:, :k_main] - z) @ q[:, :k_main].T
+    want = screen.scale.double() * (t * main + t2 * (w16.double() @ q[:, k_main:].T))
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    bound = a.double()[:, None] * screen.scale.double() + c.double()[:, None] * screen.scale_l1.double()
+    best = torch.stack([(out.double() - bound).amax(1), (out.double() + bound).amax(1)], dim=1)
+    assert torch.allclose(lohi.double(), best, rtol=1e-5, atol=1e-6)
+
+
+def test_int8_logits_stay_within_the_bound_of_float64_products(isa: str) -> None:
+    w = _head(2000, 200, torch.bfloat16, seed=7)
+    screen = _screen(w, isa)
+    b = screen.batch
+    assert b is not None
+    x = _rows(20, 200, torch.bfloat16, 3, w)
+    quantized = _quantized(screen, x)
+    params = quantized[2]
+    a, c = screen.bounds(x, torch.maximum(params[:, 0], params[:, 1]) * 0.5)
+    out = torch.empty(20, 2000)
+    cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, out)
+    true = x.double() @ w.double().T
+    bound = a.double()[:, None] * screen.scale.double() + c.double()[:, None] * screen.scale_l1.double()
+    assert ((out.double() - true).abs() <= bound).all()
+    assert (bound < true.abs().amax(dim=1, keepdim=True)).all()  # a bound that screens
+
+
+def test_pairs_match_a_brute_force_selection(isa: str) -> None:
+    if isa != "avx512_bf16":
+        pytest.skip("the batch screen runs on avx512_bf16 only")
+    g = torch.Generator().manual_seed(0)
+    approx = torch.randn(4, 1003, generator=g) * 4
+    approx[3] = 0.0  # a flat row: every column reaches its floor
+    scale, scale_l1 = torch.rand(1003, generator=g), torch.rand(1003, generator=g)
+    a, c = torch.rand(4, generator=g), torch.rand(4, generator=g)
+    bound = a[:, None] * scale + c[:, None] * scale_l1
+    lohi = torch.stack([(approx - bound).amax(1), (approx + bound).amax(1)], dim=1)
+    rows, cols, counts = cpu_kernels.screen_pairs(approx, (scale, scale_l1), a, c, lohi, 2.0**-7, 0.25, 300)
+    low, high = lohi[:, 0], lohi[:, 1]
+    floor = low - torch.maximum(low.abs(), high.abs()) * 2.0**-7 - 0.25
+    want = [[v for v in range(1003) if float(approx[m, v] + bound[m, v]) >= float(floor[m])] for m in range(4)]
+    assert counts.tolist() == [len(want[0]), len(want[1]), len(want[2]), -1]
+    got = [cols[rows == m].tolist() for m in range(3)]
+    assert got == want[:3] and not (rows == 3).any()
+
+
+def test_pair_products_are_gemv_bf16s_bit_for_bit(isa: str) -> None:
+    if isa != "avx512_bf16":
+        pytest.skip("gemv_bf16_pairs runs on the avx512_bf16 and amx variants")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 200, generator=g).to(torch.bfloat16)
+    w = torch.randn(300, 200, generator=g).to(torch.bfloat16)
+    rows = torch.randint(0, 5, (400,), generator=g)
+    cols = torch.randint(0, 300, (400,), generator=g)
+    want = cpu_kernels.gemv_bf16(x, w, torch.bfloat16).float()[rows, cols]
+    assert torch.equal(cpu_kernels.gemv_bf16_pairs(x, w, rows, cols), want)
+
+
+@pytest.mark.parametrize("rows", [9, 16, 40])
+def test_batch_argmax_is_the_whole_heads_and_candidates_are_bitwise(isa: str, rows: int) -> None:
+    w = _head(3000, 96, torch.bfloat16, seed=rows)
+    screen = _screen(w, isa)
+    for seed in range(4):
+        x = _rows(rows, 96, torch.bfloat16, seed, w)
+        whole = HeadScreen.exact(x, w)
+        got = screen.screened(x, None, small_rows=8)
+        assert got is not None
+        assert torch.equal(got.argmax(-1), whole.argmax(-1))
+        hit = got == whole
+        assert hit.gather(1, whole.argmax(-1, keepdim=True)).all()  # the winner computed exactly
+        assert hit.sum() < rows * 3000  # it screened something out
+    x = _rows(rows, 96, torch.bfloat16, 0, w)
+    assert int(screen.screened(x, None, small_rows=8)[0].argmax()) == 10  # type: ignore[index]  # first of the ties
+    assert screen.batch is not None and screen.batch.calls == 5 * rows
+
+
+def test_batches_take_the_whole_head_until_calibrated_and_for_flat_or_sampled_rows(isa: str) -> None:
+    w = _head(3000, 96, torch.bfloat16, seed=3)
+    screen = HeadScreen(w)
+    x = _rows(12, 96, torch.bfloat16, 1, w)
+    if screen.batch is None:
+        assert isa != "avx512_bf16"
+        assert screen.screened(x, None, small_rows=8) is None
+        return
+    seen = 0
+    while not screen.batch.ready:  # each batch the head reads counts toward the calibration
+        got = screen.screened(x, None, small_rows=8)
+        seen += 12
+        assert (got is None) != screen.batch.ready  # the batch that completes it is screened
+    assert seen >= head_screen_batch.CALIBRATION_ROWS and screen.batch.seen == seen
+    assert screen.screened(x, None, small_rows=8) is not None
+    draw = GumbelDraw(torch.ones(12), torch.zeros(12, 3000))
+    assert screen.screened(x, draw, small_rows=8) is None  # sampled rows: the whole head
+    flat = screen.flat
+    assert screen.screened(torch.zeros(12, 96, dtype=torch.bfloat16), None, small_rows=8) is None
+    assert screen.flat == flat + 12
+    nan = x.clone()
+    nan[2, 5] = float("nan")
+    assert screen.screened(nan, None, small_rows=8) is None
+
+
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with a 17k-row head: large enough for the engine to screen it."""
+    return make_model(tmp_path_factory.mktemp("screen_batch"), seed=6, vocab_size=17000)
+
+
+def test_served_batch_greedy_tokens_equal_the_whole_heads(
+    big_vocab: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve requests decode together (12 logits rows a step): the same tokens with and without
+    the screen, and past the calibration the batch screen found them."""
+    monkeypatch.setattr(head_screen_batch, "CALIBRATION_ROWS", 24)
+    prompts = [[5 + i, 6 + 2 * i, 7, 8 + i] for i in range(12)]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM(big_vocab, dtype="bfloat16", head_screen=False).generate(prompts, greedy)]
+    screened = LLM(big_vocab, dtype="bfloat16")
+    assert [o.token_ids for o in screened.generate(prompts, greedy)] == want
+    screen = screened.runner.target.screen
+    batch = None if screen is None else screen.batch
+    assert (batch is not None) == (isa == "avx512_bf16")
+    assert batch is None or batch.calls >= 12 * 5

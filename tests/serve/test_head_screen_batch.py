@@ -199,3 +199,21 @@ def test_served_batch_greedy_tokens_equal_the_whole_heads(
     batch = None if screen is None else screen.batch
     assert (batch is not None) == (isa == "avx512_bf16")
     assert batch is None or batch.calls >= 12 * 5
+
+
+def test_speculative_verification_of_many_rows_is_batch_screened_and_unchanged(
+    big_vocab: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt lookup drafts 3 tokens for each of 5 requests: 20 greedy verification rows a step."""
+    monkeypatch.setattr(head_screen_batch, "CALIBRATION_ROWS", 24)
+    prompts = [[5 + i, 6, 7, 8] * 6 for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = {"prompt_lookup_max": 3, "num_speculative_tokens": 3}
+    want = [o.token_ids for o in LLM(big_vocab, dtype="bfloat16", head_screen=False, **spec).generate(prompts, greedy)]
+    screened = LLM(big_vocab, dtype="bfloat16", **spec)
+    assert [o.token_ids for o in screened.generate(prompts, greedy)] == want
+    assert screened.stats.lookup_proposed > 0
+    screen = screened.runner.target.screen
+    batch = None if screen is None else screen.batch
+    assert batch is None or batch.calls > 0
+

@@ -53,6 +53,7 @@ from serve.peer_compare import (
     latency_percentiles,
     merge_rounds,
     paired_ratios,
+    round_ratios,
     staged_checkpoint,
     warsha_vs_best_peer,
 )
@@ -246,6 +247,7 @@ def bench_model(
             vres["int4"] = run_vllm(int4_dir, "bfloat16", [decode_job], args)
         rows += vllm_decode_rows(model_dir, int4_dir, prompt, vres, args, bw)
     res["decode"] = rows
+    res["round_ratios"] = {f"{bits}-bit": round_ratios(rows, bits) for bits in (16, 4)}
     res["vllm"] = {k: {kk: vv for kk, vv in v.items() if kk != "jobs"} for k, v in vres.items()}
     w32_subset = warsha_run(model_dir, small, args, dtype="float32")["outputs"]
     ident: dict[str, Any] = {}
@@ -331,6 +333,10 @@ def print_report(results: dict[str, Any]) -> None:
             ratio = warsha_vs_best_peer(res["decode"], bits)
             if ratio:
                 print(f"Warsha / best peer, {label}: {ratio[0]:.2f}x (best peer: {ratio[1]})")
+            turns = round_ratios(res["decode"], bits)
+            if turns and len(turns["ratios"]) > 1:
+                each = ", ".join(f"{r:.2f}" for r in turns["ratios"])
+                print(f"  round by round ({turns['warsha']} / {turns['peer']}): {each}; median {turns['median']:.2f}x")
         mixed = res.get("mixed")
         if mixed:
             print(f"-- mixed workload: {mixed['requests']} requests, {mixed['tokens']} output tokens")

@@ -54,15 +54,35 @@ def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return merged
 
 
-def warsha_vs_best_peer(rows: list[dict[str, Any]], bits: int) -> tuple[float, str] | None:
-    """Best Warsha figure at `bits` (16 also counts 32-bit runs of the 16-bit checkpoint) over the best peer's."""
+def best_pair(rows: list[dict[str, Any]], bits: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The fastest Warsha row and the fastest peer row at `bits` (16 also counts 32-bit runs of the
+    16-bit checkpoint; HF is the floor, never a peer), or None when either side has none."""
     ok = [r for r in rows if "tok_s" in r and (r["bits"] == bits or (bits == 16 and r["bits"] == 32))]
     ours = [r for r in ok if r["engine"].startswith("warsha")]
     theirs = [r for r in ok if not r["engine"].startswith(("warsha", "HF"))]
     if not ours or not theirs:
         return None
-    best = max(theirs, key=lambda r: r["tok_s"])
-    return max(r["tok_s"] for r in ours) / best["tok_s"], best["engine"]
+    return max(ours, key=lambda r: r["tok_s"]), max(theirs, key=lambda r: r["tok_s"])
+
+
+def warsha_vs_best_peer(rows: list[dict[str, Any]], bits: int) -> tuple[float, str] | None:
+    """Best Warsha figure at `bits` over the best peer's (`best_pair`), and that peer's name."""
+    pair = best_pair(rows, bits)
+    return None if pair is None else (pair[0]["tok_s"] / pair[1]["tok_s"], pair[1]["engine"])
+
+
+def round_ratios(rows: list[dict[str, Any]], bits: int) -> dict[str, Any] | None:
+    """`best_pair`'s two engines compared round by round (`paired_ratios` over `tok_s_rounds`).
+
+    Why: a median per engine can take its two figures from different rounds, so on a host whose
+    speed drifts (memory bandwidth 56 -> 37 GB/s within one run) the ratio of medians can say 1.57x
+    where the rounds say 1.07-1.56x; the engines of one round ran minutes apart, not hours."""
+    pair = best_pair(rows, bits)
+    if pair is None or "tok_s_rounds" not in pair[0] or "tok_s_rounds" not in pair[1]:
+        return None
+    ours, theirs = pair[0]["tok_s_rounds"], pair[1]["tok_s_rounds"]
+    rounds = [{"warsha": a, "peer": b} for a, b in zip(ours, theirs, strict=False)]
+    return {"warsha": pair[0]["engine"], "peer": pair[1]["engine"], **paired_ratios(rounds, "warsha", "peer")}
 
 
 def abba_order(pairs: int, a: str, b: str) -> list[tuple[str, str]]:

@@ -216,4 +216,3 @@ def test_speculative_verification_of_many_rows_is_batch_screened_and_unchanged(
     screen = screened.runner.target.screen
     batch = None if screen is None else screen.batch
     assert batch is None or batch.calls > 0
-

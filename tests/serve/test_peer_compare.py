@@ -155,6 +155,24 @@ def test_rounds_merge_to_the_median_and_keep_every_rate() -> None:
     assert merged[2] == {"engine": "broken", "error": "x"}
 
 
+def test_round_ratios_compare_the_best_engines_within_each_round() -> None:
+    """The medians' ratio (here 20 / 20 = 1.0x) against the rounds' own ratios, by a loop."""
+    rows = [
+        {"bits": 16, "engine": "warsha bf16", "tok_s": 20.0, "tok_s_rounds": [30.0, 10.0, 20.0]},
+        {"bits": 16, "engine": "warsha bf16, whole head", "tok_s": 12.0, "tok_s_rounds": [12.0, 12.0, 12.0]},
+        {"bits": 16, "engine": "llama.cpp F16", "tok_s": 20.0, "tok_s_rounds": [15.0, 25.0, 20.0]},
+        {"bits": 16, "engine": "HF generate bf16 (floor)", "tok_s": 90.0, "tok_s_rounds": [90.0, 90.0, 90.0]},
+    ]
+    out = peer_compare.round_ratios(rows, 16)
+    assert out is not None and (out["warsha"], out["peer"]) == ("warsha bf16", "llama.cpp F16")
+    want = [w / p for w, p in zip([30.0, 10.0, 20.0], [15.0, 25.0, 20.0], strict=True)]
+    assert out["ratios"] == pytest.approx(want) and out["median"] == pytest.approx(1.0)
+    assert peer_compare.warsha_vs_best_peer(rows, 16) == (1.0, "llama.cpp F16")
+    assert peer_compare.round_ratios(rows, 4) is None
+    single = [{k: v for k, v in r.items() if k != "tok_s_rounds"} for r in rows]
+    assert peer_compare.round_ratios(single, 16) is None  # one round: nothing to pair
+
+
 def test_abba_order_puts_each_engine_first_as_often_as_second() -> None:
     order = peer_compare.abba_order(4, "warsha", "vllm")
     assert order == [("warsha", "vllm"), ("vllm", "warsha"), ("warsha", "vllm"), ("vllm", "warsha")]

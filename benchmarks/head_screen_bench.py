@@ -1,10 +1,10 @@
 """The LM head of a greedy batch: the whole head against serve's batch screen. `python -m benchmarks.head_screen_bench`.
 
-What: a real model (default: the recipe's Gemma 3 270M import, bf16) generates greedily on a few
+What: a real model (default: the recipe's Gemma 3 270M import, bf16 or `--dtype float32`) generates greedily on a few
 Arabic, English and code prompts in serve; the head's input rows are recorded (the screen
 calibrates on the first of them, as it does when serving). On the rows after the calibration,
 batches of `--rows` rows go through the whole head (oneDNN's bf16 slices into the logits
-buffer: what a batch takes without the screen) and through `serve.head_screen_batch` (uint8 x
+buffer, or its float32 GEMM: what a batch takes without the screen) and through `serve.head_screen_batch` (uint8 x
 int8 products, each row's candidates exact), taking turns; each figure is the median of
 `--reps`. The argmax of every row must agree. Prints a table; writes
 benchmarks/results/head_screen_bench-<time>.json. State the host's ISA beside the figures.
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from serve import LLM, SamplingParams, cpu_kernels
+from serve.head import SlicedHead
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = (
@@ -70,6 +71,12 @@ def turns(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def whole_head(target: Any, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """The whole head as a batch takes it without the screen: oneDNN's bf16 slices into the logits
+    buffer, or the float32 linear."""
+    return target.head(x, buf) if isinstance(target.head, SlicedHead) else target.head(x).float()
+
+
 def measure(llm: LLM, rows: torch.Tensor, sizes: list[int], reps: int) -> list[dict[str, Any]]:
     """Per batch size: whole head and batch screen in turns, the candidates, and the argmax check."""
     target = llm.runner.target
@@ -79,7 +86,7 @@ def measure(llm: LLM, rows: torch.Tensor, sizes: list[int], reps: int) -> list[d
     for m in sizes:
         x = held_out[-m:].contiguous()
         whole_buf, screen_buf = torch.empty(m, vocab), torch.empty(m, vocab)
-        want = target.head(x, whole_buf).argmax(-1)
+        want = whole_head(target, x, whole_buf).argmax(-1)
         calls, found = screen.calls, screen.candidates
         got = screen.screened(x, None, target.screen_rows, screen_buf)
         if got is None:
@@ -88,7 +95,7 @@ def measure(llm: LLM, rows: torch.Tensor, sizes: list[int], reps: int) -> list[d
         same = bool(torch.equal(got.argmax(-1), want))
         ms = turns(
             {
-                "whole": partial(target.head, x, whole_buf),
+                "whole": partial(whole_head, target, x, whole_buf),
                 "screen": partial(screen.screened, x, None, target.screen_rows, screen_buf),
             },
             reps,
@@ -107,9 +114,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt while recording rows")
     p.add_argument("--reps", type=int, default=7, help="repetitions per contender (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the served model's dtype")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype="bfloat16")
+    llm = LLM(args.model, dtype=args.dtype)
     screen = llm.runner.target.screen
     if screen is None or screen.batch is None:
         raise SystemExit(
@@ -120,7 +128,8 @@ def main() -> None:
     if not screen.batch.ready or rows.shape[0] - screen.batch.seen < max(sizes):
         raise SystemExit(f"{rows.shape[0]} rows recorded: too few past the calibration; raise --tokens")
     results = measure(llm, rows, sizes, args.reps)
-    print(f"{args.model}, variant {cpu_kernels.isa()}, {args.threads} threads, {rows.shape[0]} rows recorded")
+    where = f"{args.model} {args.dtype}, variant {cpu_kernels.isa()}, {args.threads} threads"
+    print(f"{where}, {rows.shape[0]} rows recorded")
     print(f"{'rows':>5} {'whole ms':>9} {'screen ms':>10} {'speedup':>8} {'cand/row':>9} same argmax")
     for r in results:
         print(
@@ -129,7 +138,8 @@ def main() -> None:
         )
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"head_screen_bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    meta = {"model": str(args.model), "isa": cpu_kernels.isa(), "threads": args.threads, "recorded_rows": rows.shape[0]}
+    meta = {"model": str(args.model), "dtype": args.dtype, "isa": cpu_kernels.isa(), "threads": args.threads}
+    meta["recorded_rows"] = rows.shape[0]
     path.write_text(json.dumps({**meta, "results": results}, indent=2))
     print(f"wrote {path}")
 

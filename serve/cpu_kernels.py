@@ -529,6 +529,13 @@ def screen_pairs(
     return rows, cols, counts
 
 
+def gemv_f32_pairs(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """float32 [P]: x[rows[p]] . w[cols[p]] for float32 x and w, float32 sums in a fixed order (AVX-512)."""
+    out = torch.empty(rows.numel())
+    load().gemv_f32_pairs(x, w, rows, cols, out)
+    return out
+
+
 def gemv_bf16_pairs(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """float32 [P]: x[rows[p]] . w[cols[p]] for bf16 x and w, each as `gemv_bf16` gives it to a
     decode batch (rounded through bf16); avx512_bf16 and amx variants only."""

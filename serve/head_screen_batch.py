@@ -16,12 +16,13 @@ over the first `CALIBRATION_ROWS` rows the head reads stay int16 (median 69-101 
 on real hidden states); until then batches take the whole head. The choice moves only the speed:
 the bound holds for any choice, so every row keeps its token.
 
-Candidates are each row's own (not the union over rows), computed by `gemv_bf16_pairs`: the
-numbers the head's decode kernel gives those rows, so a row's greedy token through this screen
-is the one a decode batch of 1-8 rows finds for it. Only on the avx512_bf16 variant (where that
-kernel is vdpbf16ps; AMX hosts run the whole head on tiles at a higher rate than this), for bf16
-heads and argmax-only batches without sampled rows. Memory: a second int8 copy in the packed
-layout, half of the bf16 head.
+Candidates are each row's own (not the union over rows). A bf16 head computes them with
+`gemv_bf16_pairs`, the decode kernel's arithmetic, so a row's greedy token through this screen is
+the one a decode batch of 1-8 rows finds for it; there it runs on the avx512_bf16 variant only
+(AMX hosts run a bf16 head on tiles faster than this). A float32 head (on every VNNI variant,
+where oneDNN's float32 GEMM takes 16 products an instruction) computes them with float32 sums in
+a fixed order (`gemv_f32_pairs`). Argmax-only batches without sampled rows only. Memory: a second
+int8 copy in the packed layout (half a bf16 head, a quarter of a float32 one).
 """
 
 from __future__ import annotations
@@ -51,8 +52,14 @@ def tail_width(features: int) -> int:
 
 
 def applies(weight: torch.Tensor) -> bool:
-    """Whether a head (bf16, on the CPU) runs through this screen on the running kernel variant."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_kernels.isa() == "avx512_bf16"
+    """Whether a CPU head runs through this screen on the running kernel variant: bf16 on
+    `avx512_bf16` (AMX tiles run a bf16 head faster), float32 on every VNNI variant."""
+    if weight.device.type != "cpu":
+        return False
+    isa = cpu_kernels.isa()
+    if weight.dtype == torch.bfloat16:
+        return isa == "avx512_bf16"
+    return weight.dtype == torch.float32 and isa in ("avx512_vnni", "avx512_bf16", "amx")
 
 
 class BatchScreen:
@@ -126,7 +133,8 @@ class BatchScreen:
         r, cols, counts = cpu_kernels.screen_pairs(out, self.scales, a, c, lohi, step, slack, cap)
         if bool((counts < 0).any()):
             return None, -1
-        exact = cpu_kernels.gemv_bf16_pairs(x.contiguous(), self.weight, r, cols)
+        pairs = cpu_kernels.gemv_bf16_pairs if self.weight.dtype == torch.bfloat16 else cpu_kernels.gemv_f32_pairs
+        exact = pairs(x.contiguous(), self.weight, r, cols)
         out.view(-1).index_copy_(0, r * self.out_features + cols, exact)
         self.calls += rows
         return out, cols.numel()

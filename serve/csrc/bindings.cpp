@@ -35,6 +35,8 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
 std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
                                         const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi, double step,
                                         double slack, int64_t cap);
+void gemv_f32_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
+                    torch::Tensor out);
 void gemv_bf16_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
                      torch::Tensor out);
 torch::Tensor gated_act_bf16(const torch::Tensor& gate_up, bool gelu);
@@ -73,6 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen_quantize", &screen_quantize, "rows as the batch head screen reads them: uint8 main channels, int16 tail");
   m.def("screen_gemm_u8", &screen_gemm_u8, "the batch head screen's int8 logits (vpdpbusd) and each row's best bounds");
   m.def("screen_pairs", &screen_pairs, "per row, the columns whose bounded logit can reach the row's best");
+  m.def("gemv_f32_pairs", &gemv_f32_pairs, "x @ w.T at chosen (row, column) pairs, float32");
   m.def("gemv_bf16_pairs", &gemv_bf16_pairs, "x @ w.T at chosen (row, column) pairs, rounded through bf16");
   m.def("paged_attention", &paged_attention, "paged attention of short query chunks from the heads-first cache ");
 }

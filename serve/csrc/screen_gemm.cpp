@@ -191,6 +191,22 @@ bool row_candidates(const float* y, const float* s, const float* sl, float a, fl
   return true;
 }
 
+// x . w for one float32 row pair of length K: four 16-lane accumulators, a masked tail, summed in a
+// fixed order (the batch screen's exact values for a float32 head).
+float dot_f32(const float* x, const float* w, int64_t K) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64)
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16 * j), _mm512_loadu_ps(w + k + 16 * j), acc[j]);
+  for (int j = 0; k < K; k += 16, ++j) {
+    const int64_t left = K - k;
+    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k), _mm512_maskz_loadu_ps(mask, w + k), acc[j]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
 }  // namespace
 
 #pragma GCC pop_options
@@ -326,4 +342,27 @@ std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch
   torch::Tensor count = torch::empty({M}, torch::kLong);
   std::copy(counts.begin(), counts.end(), count.data_ptr<int64_t>());
   return {rows, cols, count};
+}
+
+// float32 x [M, K] . w [N, K] at the pairs (rows[p], cols[p]) into out [P] (AVX-512).
+void gemv_f32_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
+                    torch::Tensor out) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "gemv_f32_pairs needs AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.size(1) == x.size(1),
+              "w must be a contiguous float32 [N, K] tensor with x's K");
+  const int64_t P = rows.numel(), K = x.size(1);
+  for (const auto* t : {&rows, &cols})
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->numel() == P, "rows and cols must be int64 [P]");
+  check_f32(out, P, "out");
+  if (P == 0) return;
+  TORCH_CHECK(rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < x.size(0) && cols.min().item<int64_t>() >= 0 &&
+                  cols.max().item<int64_t>() < w.size(0),
+              "pair indices out of range");
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const int64_t *rp = rows.data_ptr<int64_t>(), *cp = cols.data_ptr<int64_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) y[p] = dot_f32(xp + rp[p] * K, wp + cp[p] * K, K);
+  });
 }

@@ -27,13 +27,18 @@ pytestmark = [
 ]
 
 
+def _runs(dtype: torch.dtype, isa: str) -> bool:
+    """Where the batch screen should run: bf16 heads on avx512_bf16, float32 on every VNNI variant."""
+    return isa == "avx512_bf16" if dtype == torch.bfloat16 else isa in ("avx512_vnni", "avx512_bf16", "amx")
+
+
 def _screen(w: torch.Tensor, isa: str) -> HeadScreen:
     """A screen of `w` with its batch layout calibrated; skips where the batch screen does not run,
     after checking that it is absent there."""
     screen = HeadScreen(w)
-    if isa != "avx512_bf16":
+    if not _runs(w.dtype, isa):
         assert screen.batch is None  # other variants keep the whole head for batches
-        pytest.skip(f"the batch screen runs on avx512_bf16 only, not {isa}")
+        pytest.skip(f"no batch screen for a {w.dtype} head on {isa}")
     assert screen.batch is not None
     g = torch.Generator().manual_seed(11)
     screen.batch.observe(torch.randn(head_screen_batch.CALIBRATION_ROWS, w.shape[1], generator=g).to(w.dtype))
@@ -65,13 +70,14 @@ def test_quantized_rows_move_each_value_by_at_most_half_a_step(isa: str) -> None
     assert float(z[3]) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 30])
-def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: int) -> None:
-    w = _head(1003, 198, torch.bfloat16, seed=rows)  # 1003 rows: the last tile part padding
+def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: int, dtype: torch.dtype) -> None:
+    w = _head(1003, 198, dtype, seed=rows)  # 1003 rows: the last tile part padding
     screen = _screen(w, isa)
     b = screen.batch
     assert b is not None and b.perm is not None
-    x = _rows(rows, 198, torch.bfloat16, rows, w)
+    x = _rows(rows, 198, dtype, rows, w)
     u, w16, params = quantized = _quantized(screen, x)
     a, c = torch.rand(rows), torch.rand(rows)
     out = torch.empty(rows, 1003)
@@ -87,12 +93,13 @@ def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: in
     assert torch.allclose(lohi.double(), best, rtol=1e-5, atol=1e-6)
 
 
-def test_int8_logits_stay_within_the_bound_of_float64_products(isa: str) -> None:
-    w = _head(2000, 200, torch.bfloat16, seed=7)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_logits_stay_within_the_bound_of_float64_products(isa: str, dtype: torch.dtype) -> None:
+    w = _head(2000, 200, dtype, seed=7)
     screen = _screen(w, isa)
     b = screen.batch
     assert b is not None
-    x = _rows(20, 200, torch.bfloat16, 3, w)
+    x = _rows(20, 200, dtype, 3, w)
     quantized = _quantized(screen, x)
     params = quantized[2]
     a, c = screen.bounds(x, torch.maximum(params[:, 0], params[:, 1]) * 0.5)
@@ -123,6 +130,21 @@ def test_pairs_match_a_brute_force_selection(isa: str) -> None:
     assert got == want[:3] and not (rows == 3).any()
 
 
+def test_float32_pair_products_against_float64(isa: str) -> None:
+    if not _runs(torch.float32, isa):
+        pytest.skip(f"no batch screen for a float32 head on {isa}")
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 203, generator=g), torch.randn(300, 203, generator=g)  # a 203-wide tail
+    rows = torch.randint(0, 5, (400,), generator=g)
+    cols = torch.randint(0, 300, (400,), generator=g)
+    got = cpu_kernels.gemv_f32_pairs(x, w, rows, cols).double()
+    want = (x.double()[rows] * w.double()[cols]).sum(1)
+    scale = (x.double()[rows].abs() * w.double()[cols].abs()).sum(1)
+    assert ((got - want).abs() <= scale * 203 * 2.0**-24).all()
+    again = cpu_kernels.gemv_f32_pairs(x, w, rows.flip(0), cols.flip(0)).double()
+    assert torch.equal(again.flip(0), got)  # a pair's value does not depend on the others
+
+
 def test_pair_products_are_gemv_bf16s_bit_for_bit(isa: str) -> None:
     if isa != "avx512_bf16":
         pytest.skip("gemv_bf16_pairs runs on the avx512_bf16 and amx variants")
@@ -135,30 +157,44 @@ def test_pair_products_are_gemv_bf16s_bit_for_bit(isa: str) -> None:
     assert torch.equal(cpu_kernels.gemv_bf16_pairs(x, w, rows, cols), want)
 
 
+def _whole(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The whole head: the decode kernel's bf16 logits (bit for bit what the screen's candidates
+    get), float64 products for a float32 head (the screen's float32 sums agree to rounding)."""
+    return HeadScreen.exact(x, w) if w.dtype == torch.bfloat16 else (x.double() @ w.double().T).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [9, 16, 40])
-def test_batch_argmax_is_the_whole_heads_and_candidates_are_bitwise(isa: str, rows: int) -> None:
-    w = _head(3000, 96, torch.bfloat16, seed=rows)
+def test_batch_argmax_is_the_whole_heads_and_candidates_are_exact(isa: str, rows: int, dtype: torch.dtype) -> None:
+    w = _head(3000, 96, dtype, seed=rows)
     screen = _screen(w, isa)
     for seed in range(4):
-        x = _rows(rows, 96, torch.bfloat16, seed, w)
-        whole = HeadScreen.exact(x, w)
+        x = _rows(rows, 96, dtype, seed, w)
+        whole = _whole(x, w)
         got = screen.screened(x, None, small_rows=8)
         assert got is not None
-        assert torch.equal(got.argmax(-1), whole.argmax(-1))
-        hit = got == whole
-        assert hit.gather(1, whole.argmax(-1, keepdim=True)).all()  # the winner computed exactly
+        best = whole.argmax(-1, keepdim=True)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got.argmax(-1), whole.argmax(-1))
+            hit = got == whole
+        else:  # float32 sums against float64: the chosen row is the best up to their rounding
+            chosen = whole.gather(1, got.argmax(-1, keepdim=True))
+            assert ((whole.gather(1, best) - chosen) <= 1e-5 * whole.abs().amax(1, keepdim=True)).all()
+            hit = (got - whole).abs() <= 1e-5 * whole.abs().amax(1, keepdim=True)
+        assert hit.gather(1, best).all()  # the winner computed exactly
         assert hit.sum() < rows * 3000  # it screened something out
-    x = _rows(rows, 96, torch.bfloat16, 0, w)
+    x = _rows(rows, 96, dtype, 0, w)
     assert int(screen.screened(x, None, small_rows=8)[0].argmax()) == 10  # type: ignore[index]  # first of the ties
     assert screen.batch is not None and screen.batch.calls == 5 * rows
 
 
-def test_batches_take_the_whole_head_until_calibrated_and_for_flat_or_sampled_rows(isa: str) -> None:
-    w = _head(3000, 96, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_whole_head_until_calibrated_and_for_flat_or_sampled_rows(isa: str, dtype: torch.dtype) -> None:
+    w = _head(3000, 96, dtype, seed=3)
     screen = HeadScreen(w)
-    x = _rows(12, 96, torch.bfloat16, 1, w)
+    x = _rows(12, 96, dtype, 1, w)
     if screen.batch is None:
-        assert isa != "avx512_bf16"
+        assert not _runs(dtype, isa)
         assert screen.screened(x, None, small_rows=8) is None
         return
     seen = 0
@@ -171,7 +207,7 @@ def test_batches_take_the_whole_head_until_calibrated_and_for_flat_or_sampled_ro
     draw = GumbelDraw(torch.ones(12), torch.zeros(12, 3000))
     assert screen.screened(x, draw, small_rows=8) is None  # sampled rows: the whole head
     flat = screen.flat
-    assert screen.screened(torch.zeros(12, 96, dtype=torch.bfloat16), None, small_rows=8) is None
+    assert screen.screened(torch.zeros(12, 96, dtype=dtype), None, small_rows=8) is None
     assert screen.flat == flat + 12
     nan = x.clone()
     nan[2, 5] = float("nan")
@@ -184,20 +220,21 @@ def big_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("screen_batch"), seed=6, vocab_size=17000)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_served_batch_greedy_tokens_equal_the_whole_heads(
-    big_vocab: Path, isa: str, monkeypatch: pytest.MonkeyPatch
+    big_vocab: Path, isa: str, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twelve requests decode together (12 logits rows a step): the same tokens with and without
     the screen, and past the calibration the batch screen found them."""
     monkeypatch.setattr(head_screen_batch, "CALIBRATION_ROWS", 24)
     prompts = [[5 + i, 6 + 2 * i, 7, 8 + i] for i in range(12)]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [o.token_ids for o in LLM(big_vocab, dtype="bfloat16", head_screen=False).generate(prompts, greedy)]
-    screened = LLM(big_vocab, dtype="bfloat16")
+    want = [o.token_ids for o in LLM(big_vocab, dtype=dtype, head_screen=False).generate(prompts, greedy)]
+    screened = LLM(big_vocab, dtype=dtype)
     assert [o.token_ids for o in screened.generate(prompts, greedy)] == want
     screen = screened.runner.target.screen
     batch = None if screen is None else screen.batch
-    assert (batch is not None) == (isa == "avx512_bf16")
+    assert (batch is not None) == (screen is not None and _runs(getattr(torch, dtype), isa))
     assert batch is None or batch.calls >= 12 * 5
 
 

@@ -99,7 +99,9 @@ class EngineArgs:
         True,
         "find every greedy decode step's token through the whole LM head instead of an int8 copy that"
         " bounds each logit and leaves the head's own kernel only the rows that can win (serve.head_screen:"
-        " the same tokens; large bf16/float32 CPU heads, half the bytes; the copy costs half the bf16 head)",
+        " the same tokens; large bf16/float32 CPU heads, half the bytes; the copy costs half the bf16 head;"
+        " greedy batches past 8 rows also use uint8 rows on AVX-512 VNNI CPUs, serve.head_screen_batch,"
+        " with a packed second copy)",
         flag="--no-head-screen",
     )
     draft_head_quant: str = option(

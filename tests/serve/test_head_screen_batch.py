@@ -253,3 +253,19 @@ def test_speculative_verification_of_many_rows_is_batch_screened_and_unchanged(
     screen = screened.runner.target.screen
     batch = None if screen is None else screen.batch
     assert batch is None or batch.calls > 0
+
+
+def test_head_screen_bench_records_real_rows_and_agrees_with_the_whole_head(big_vocab: Path, isa: str) -> None:
+    """`benchmarks.head_screen_bench` on the tiny model: rows recorded while serving calibrate the
+    screen, the held-out ones give the whole head's argmax; timings are reported, not asserted."""
+    from benchmarks.head_screen_bench import measure, record_rows
+
+    llm = LLM(big_vocab, dtype="float32")
+    screen = llm.runner.target.screen
+    if screen is None or screen.batch is None:
+        assert not _runs(torch.float32, isa)
+        pytest.skip(f"no batch screen for a float32 head on {isa}")
+    rows = record_rows(llm, 40)
+    assert screen.batch.ready and rows.shape[0] - screen.batch.seen >= 12
+    (result,) = measure(llm, rows, [12], reps=1)
+    assert result["rows"] == 12 and result["same_argmax"] and result["whole_ms"] > 0 and result["screen_ms"] > 0

@@ -12,17 +12,27 @@ from serve import hugepages
 from serve.kv_cache import KVCache
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
-    inside = False
+def _smaps(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields (name -> rest of the line) of the mapping that holds `address`."""
+    fields: dict[str, str] | None = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0] if line else ""
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            if fields is not None:
+                return fields
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+            fields = {} if lo <= address < hi else None
+        elif fields is not None and ":" in line:
+            name, rest = line.split(":", 1)
+            fields[name] = rest.strip()
+    if fields is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return fields
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    return _smaps(address)["VmFlags"].split()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.int8])
@@ -85,3 +95,13 @@ def test_kv_cache_is_zeroed_and_on_huge_pages_where_enabled() -> None:
     assert float(kv.k[1, :, [5, 900]].sum()) == 2 * 4 * 256 and float(kv.k.sum()) == 2 * 4 * 256
     tiny = KVCache(1, 2, 16, 1, 8, torch.float32)  # below one huge page: plain torch memory
     assert not hugepages.placed(tiny.k)
+
+
+@pytest.mark.skipif(not hugepages.enabled(), reason="huge-page placement is off on this host")
+def test_kv_cache_pages_are_resident_before_the_first_step() -> None:
+    """Every page of the cache is faulted in at allocation (as torch.zeros does), so no serving
+    step pays a first write's page fault: the mapping's resident size covers the whole cache."""
+    kv = KVCache(4, 256, 16, 2, 128, torch.bfloat16)  # 4 MiB each for K and V
+    for t in (kv.k, kv.v):
+        rss_kb = int(_smaps(t.data_ptr())["Rss"].split()[0])
+        assert rss_kb * 1024 >= t.nbytes, f"{rss_kb} KiB resident of {t.nbytes // 1024}"

@@ -16,7 +16,9 @@
 // (software prefetch of the paged rows was tried and made no measurable difference).
 //
 // Same results as the AVX2 kernel up to float32 summation order: float32 scores and online
-// softmax, float32 accumulation of probability times value, one rounding of the output.
+// softmax, float32 accumulation of probability times value, one rounding of the output; except
+// that the AVX-512 BF16 variant on a bf16 cache rounds each tile's probabilities to bf16 for the
+// value pass (value_block_dot below; float32 caches keep float32 probabilities).
 // Requires D % 64 == 0 (checked by the caller; other head sizes take the AVX2 kernel).
 
 constexpr int64_t kTile512 = 64;  // keys scored before their softmax update and value pass
@@ -116,12 +118,93 @@ inline void value_rows(const T* vc, const int64_t* slots, int64_t n, int64_t D, 
   }
 }
 
+#if WARSHA_BF16DOT
+// The value pass on a bf16 cache with vdpbf16ps, as FlashAttention multiplies P by V in 16 bits
+// on GPUs: each row's tile probabilities are rounded to bf16 (relative error at most 2^-9 each;
+// the running max, sum and the accumulator stay float32) and two keys' values are multiplied at
+// once. Per pair of keys and 64 output features: four loads, four unpacks and, per query row,
+// four vdpbf16ps, where the widening pass takes eight widening ops and eight FMAs per row.
+// Accumulator lanes hold features in the unpacks' order (`unpair_row` puts them back).
+
+// A tile's probabilities of row r as bf16 (`out`, kTile512 per row), zero from n to the next even key.
+inline void probs_bf16(const float* p, int64_t n, uint16_t* out) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + j));
+    _mm256_mask_storeu_epi16(out + j, m, h);
+  }
+  if (n % 2) out[n] = 0;
+}
+
+// acc[r] (pair order) = acc * rescale[r] + sum_j p16[r][j] v[j] over features f0 .. f0 + 63.
+template <int NR>
+inline void value_block_dot(const uint16_t* vc, const int64_t* slots, int64_t n, int64_t D, int64_t f0, const uint16_t* p16,
+                            const float* rescale, float* acc) {
+  __m512 a[NR][kDVecs];
+  for (int r = 0; r < NR; ++r) {
+    const __m512 c = _mm512_set1_ps(rescale[r]);
+    for (int v = 0; v < kDVecs; ++v) a[r][v] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + r * D + f0 + 16 * v));
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    const uint16_t* r0 = vc + slots[j] * D + f0;
+    const uint16_t* r1 = j + 1 < n ? vc + slots[j + 1] * D + f0 : nullptr;  // an odd tile's last key pairs with zeros
+    __m512i b[kDVecs];
+    for (int h = 0; h < kDVecs / 2; ++h) {
+      const __m512i x0 = _mm512_loadu_si512(r0 + 32 * h);
+      const __m512i x1 = r1 != nullptr ? _mm512_loadu_si512(r1 + 32 * h) : _mm512_setzero_si512();
+      b[2 * h] = _mm512_unpacklo_epi16(x0, x1);
+      b[2 * h + 1] = _mm512_unpackhi_epi16(x0, x1);
+    }
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p16 + r * kTile512 + j, sizeof(pair));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kDVecs; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], w, (__m512bh)b[v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < kDVecs; ++v) _mm512_storeu_ps(acc + r * D + f0 + 16 * v, a[r][v]);
+}
+
+inline void value_rows_dot(const uint16_t* vc, const int64_t* slots, int64_t n, int64_t D, int64_t nr, const uint16_t* p16,
+                           const float* rescale, float* acc) {
+  for (int64_t f0 = 0; f0 < D; f0 += 16 * kDVecs) {
+    switch (nr) {
+      case 1: value_block_dot<1>(vc, slots, n, D, f0, p16, rescale, acc); break;
+      case 2: value_block_dot<2>(vc, slots, n, D, f0, p16, rescale, acc); break;
+      case 3: value_block_dot<3>(vc, slots, n, D, f0, p16, rescale, acc); break;
+      default: value_block_dot<4>(vc, slots, n, D, f0, p16, rescale, acc); break;
+    }
+  }
+}
+
+// Features back in order: per 32, the unpacks left 0-3, 8-11, 16-19, 24-27 in the first 16
+// lanes and 4-7, 12-15, 20-23, 28-31 in the next 16.
+inline void unpair_row(float* a, int64_t D) {
+  alignas(64) float tmp[32];
+  for (int64_t g = 0; g < D; g += 32) {
+    for (int q = 0; q < 4; ++q)
+      for (int i = 0; i < 4; ++i) {
+        tmp[8 * q + i] = a[g + 4 * q + i];
+        tmp[8 * q + 4 + i] = a[g + 16 + 4 * q + i];
+      }
+    std::memcpy(a + g, tmp, sizeof(tmp));
+  }
+}
+#endif
+
 struct Scratch512 {
   std::vector<float> qf, acc, m, l, scores, rescale;
   std::vector<int64_t> slots;
+  std::vector<uint16_t> p16;  // the tile's probabilities in bf16 (the vdpbf16ps value pass)
   Scratch512(int64_t rows, int64_t D)
-      : qf(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * kTile512), rescale(rows), slots(kTile512) {}
+      : qf(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * kTile512), rescale(rows), slots(kTile512),
+        p16(rows * kTile512) {}
 };
+
+// Whether this variant multiplies P by V with bf16 dot products (bf16 caches on AVX-512 BF16).
+template <typename T>
+constexpr bool kPairedValues = WARSHA_BF16DOT && std::is_same_v<T, uint16_t>;
 
 // One (sequence, KV head) task, as the AVX2 kernel's `attend` (same Plan, same layouts).
 template <typename T>
@@ -182,6 +265,13 @@ void attend512(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int6
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t nr = std::min<int64_t>(kRowBlock, rows - r0);
+#if WARSHA_BF16DOT
+      if constexpr (kPairedValues<T>) {
+        for (int64_t r = r0; r < r0 + nr; ++r) probs_bf16(s.scores.data() + r * kTile512, n, s.p16.data() + r * kTile512);
+        value_rows_dot(vc, slots, n, D, nr, s.p16.data() + r0 * kTile512, s.rescale.data() + r0, s.acc.data() + r0 * D);
+        continue;
+      }
+#endif
       value_rows(vc, slots, n, D, nr, s.scores.data() + r0 * kTile512, s.rescale.data() + r0, s.acc.data() + r0 * D);
     }
   }
@@ -190,6 +280,9 @@ void attend512(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int6
     float* a = s.acc.data() + r * D;
     const float inv = s.l[r] > 0.f ? 1.f / s.l[r] : 0.f;
     for (int64_t d = 0; d < D; ++d) a[d] *= inv;
+#if WARSHA_BF16DOT
+    if constexpr (kPairedValues<T>) unpair_row(a, D);
+#endif
     store_row(a, D, out + ((p.qstart[b] + i) * p.H + h) * D);
   }
 }

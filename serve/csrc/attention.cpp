@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -105,6 +106,33 @@ inline void scale_row(float a, float* y, int64_t D) {
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(y + d, _mm256_mul_ps(av, _mm256_loadu_ps(y + d)));
 }
 
+// Scores of keys t0 .. t0 + n - 1 outside positions [lo, hi] set to -inf, and the largest score
+// left (-inf when none is visible), eight keys at a time (a scalar max is a chain of dependent
+// compares as long as the tile).
+inline float mask_max8(float* s, int64_t n, int64_t t0, int64_t lo, int64_t hi) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 none = _mm256_set1_ps(neg_inf);
+  __m256 mx = none;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const auto rel = [&](int64_t pos) { return static_cast<int32_t>(std::clamp<int64_t>(pos - t0 - j, -1, 8)); };
+    const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(rel(lo)), lane),
+                                           _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(rel(hi))));
+    const __m256 v = _mm256_blendv_ps(_mm256_loadu_ps(s + j), none, _mm256_castsi256_ps(hidden));
+    _mm256_storeu_ps(s + j, v);
+    mx = _mm256_max_ps(mx, v);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  float m = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
+  for (; j < n; ++j) {
+    if (t0 + j > hi || t0 + j < lo) s[j] = neg_inf;
+    m = std::max(m, s[j]);
+  }
+  return m;
+}
+
 // exp(s - m) in place over n scores, returning their sum (masked scores are -inf and give 0).
 inline float exp_shift_sum(float* s, int64_t n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
@@ -134,6 +162,11 @@ struct Plan {
   float scale;
 };
 
+// The first key any query row of sequence b can see (the start of its sliding window, or 0).
+inline int64_t first_key(const Plan& p, int64_t b) {
+  return p.window > 0 ? std::max<int64_t>(0, p.ctx[b] - p.qlen[b] - p.window + 1) : 0;
+}
+
 // Everything one (sequence, KV head) task needs as scratch: the group's queries, their running
 // max / sum / accumulator, a tile of scores, the tile's cache slots and its K (then V) rows
 // widened to float32.
@@ -158,9 +191,8 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
   std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
-  const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   const int64_t* table = p.tables + b * p.width;
-  for (int64_t t0 = key_lo; t0 < ctx; t0 += kTile) {
+  for (int64_t t0 = first_key(p, b); t0 < ctx; t0 += kTile) {
     const int64_t n = std::min(kTile, ctx - t0);
     // the tile's cache slots, walking block by block (no division per key)
     for (int64_t j = 0, blk = t0 / p.block_size, off = t0 % p.block_size; j < n; ++j) {
@@ -168,26 +200,19 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
       if (++off == p.block_size) off = 0, ++blk;
     }
     for (int64_t j = 0; j < n; ++j) load_row<T>(kc + s.slots[j] * D, D, s.tile.data() + j * D);
-    // scores of every row against the tile's keys, -inf outside each row's causal window
+    // scores of every row against the tile's keys
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = s.q.data() + r * D;
       float* sr = s.scores.data() + r * kTile;
       int64_t j = 0;
       for (; j + 8 <= n; j += 8) _mm256_storeu_ps(sr + j, dot8(qr, s.tile.data() + j * D, D));
       for (; j < n; ++j) sr[j] = dot(qr, s.tile.data() + j * D, D);
-      const int64_t qpos = first_pos + r / G;
-      const int64_t lo = p.window > 0 ? qpos - p.window + 1 : 0;
-      if (t0 + n - 1 > qpos || t0 < lo) {  // some keys of the tile are outside this row's window
-        for (int64_t jj = 0; jj < n; ++jj) {
-          const int64_t pos = t0 + jj;
-          if (pos > qpos || pos < lo) sr[jj] = -std::numeric_limits<float>::infinity();
-        }
-      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s.scores.data() + r * kTile;
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sr[j]);
+      const int64_t qpos = first_pos + r / G;
+      const int64_t lo = p.window > 0 ? qpos - p.window + 1 : 0;
+      const float tile_max = mask_max8(sr, n, t0, lo, qpos);  // -inf outside the row's causal window
       if (tile_max == -std::numeric_limits<float>::infinity()) {  // nothing visible to this row here
         std::fill(sr, sr + n, 0.f);
         continue;
@@ -218,6 +243,19 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
   }
 }
 
+// The (sequence, KV head) tasks, those with the most rows times keys first. Threads take them
+// one at a time as they come free (longest processing time first): the tasks of one call differ
+// a lot in size (a 512-token prefill chunk's 16-token pieces see 16 to 512 keys), and torch's
+// split into contiguous ranges gave one thread of two the pieces that see the most keys. Each
+// task's arithmetic does not depend on which thread runs it, so results do not change.
+inline std::vector<int64_t> largest_first(const Plan& p, int64_t B) {
+  std::vector<int64_t> order(B * p.Hkv), cost(B);
+  for (int64_t b = 0; b < B; ++b) cost[b] = p.qlen[b] * (p.ctx[b] - first_key(p, b) + kTile);
+  for (int64_t t = 0; t < B * p.Hkv; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost[x / p.Hkv] > cost[y / p.Hkv]; });
+  return order;
+}
+
 // Every (sequence, KV head) task of the batch over torch's threads, each thread with its own
 // scratch; `attend_one` is one algorithm's per-task function (the AVX2 one below, or an AVX-512 one).
 template <typename Scratch, typename T, typename Attend>
@@ -228,10 +266,13 @@ void run_tasks(const Plan& p, const torch::Tensor& q, const torch::Tensor& k_cac
   const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t slots = k_cache.size(1), max_q = *std::max_element(p.qlen, p.qlen + B);
-  at::parallel_for(0, B * p.Hkv, 1, [&](int64_t t0, int64_t t1) {
+  const std::vector<int64_t> order = largest_first(p, B);
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(order.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
     Scratch s((p.H / p.Hkv) * max_q, p.D);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / p.Hkv, h = t % p.Hkv;
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      const int64_t b = order[i] / p.Hkv, h = order[i] % p.Hkv;
       attend_one(p, qp, kp + h * slots * p.D, vp + h * slots * p.D, op, b, h, s);
     }
   });

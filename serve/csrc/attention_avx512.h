@@ -64,6 +64,25 @@ inline __m128 dots4(const T* const* q, const float* const* qf, const T* k, int64
   return reduce4(a0, a1, a2, a3);
 }
 
+// Scores of keys t0 .. t0 + n - 1 outside positions [lo, hi] set to -inf, and the largest
+// score left (-inf when none is visible), 16 keys at a time: a scalar max over a tile is a
+// chain of 64 dependent compares, which cost a row about as much as its scores' arithmetic.
+inline float mask_max16(float* s, int64_t n, int64_t t0, int64_t lo, int64_t hi) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx = none;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 tail = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const auto rel = [&](int64_t pos) { return static_cast<int32_t>(std::clamp<int64_t>(pos - t0 - j, -1, 16)); };
+    const __mmask16 seen = _mm512_mask_cmpge_epi32_mask(tail, lane, _mm512_set1_epi32(rel(lo))) &
+                           _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(rel(hi)));
+    const __m512 v = _mm512_mask_blend_ps(seen, none, _mm512_maskz_loadu_ps(tail, s + j));
+    _mm512_mask_storeu_ps(s + j, tail, v);
+    mx = _mm512_max_ps(mx, v);
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+
 // exp(s - m) in place over n scores, returning their sum (-inf scores give 0).
 inline float exp_shift_sum16(float* s, int64_t n, float m) {
   const __m512 mv = _mm512_set1_ps(m);
@@ -215,7 +234,7 @@ void attend512(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int6
   std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, neg_inf);
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
-  const int64_t key_lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t key_lo = first_key(p, b);
   const int64_t* table = p.tables + b * p.width;
   // row r = i * G + g: query token i (position first_pos + i), head h_kv * G + g
   auto q_row = [&](int64_t r) { return q + ((p.qstart[b] + r / G) * p.H + h_kv * G + r % G) * D; };
@@ -247,12 +266,7 @@ void attend512(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int6
       float* sr = s.scores.data() + r * kTile512;
       const int64_t qpos = first_pos + r / G;
       const int64_t lo = p.window > 0 ? qpos - p.window + 1 : 0;
-      if (t0 + n - 1 > qpos || t0 < lo) {  // some keys of the tile are outside this row's window
-        for (int64_t j = 0; j < n; ++j)
-          if (t0 + j > qpos || t0 + j < lo) sr[j] = neg_inf;
-      }
-      float tile_max = neg_inf;
-      for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sr[j]);
+      const float tile_max = mask_max16(sr, n, t0, lo, qpos);  // -inf outside the row's causal window
       if (tile_max == neg_inf) {  // nothing visible to this row in this tile
         std::fill(sr, sr + n, 0.f);
         s.rescale[r] = 1.f;

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -242,26 +243,20 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
   }
 }
 
-// Where each of `parts` threads starts in the (sequence, KV head) tasks (parts + 1 bounds):
-// contiguous ranges of about equal rows times visible keys. torch's `parallel_for` splits by
-// count, and a prefill chunk's pieces come in order of context: one thread of two got the
-// 16-token pieces that see the most keys and the other waited. Ranges keep the tasks in order
-// (handing the largest out first to whichever thread came free measured the same); each task's
-// arithmetic does not depend on its thread, so results do not change.
-inline std::vector<int64_t> balanced_starts(const Plan& p, int64_t B, int64_t parts) {
-  std::vector<double> before(B * p.Hkv + 1, 0.0);  // cost of the tasks before each one
-  for (int64_t t = 0; t < B * p.Hkv; ++t) {
-    const int64_t b = t / p.Hkv;
-    before[t + 1] = before[t] + static_cast<double>(p.qlen[b] * (p.ctx[b] - first_key(p, b) + kTile));
-  }
-  std::vector<int64_t> starts(parts + 1, B * p.Hkv);
-  starts[0] = 0;
-  for (int64_t i = 1; i < parts; ++i) {
-    const double goal = before.back() * static_cast<double>(i) / static_cast<double>(parts);
-    starts[i] = std::lower_bound(before.begin(), before.end(), goal) - before.begin();
-    starts[i] = std::max(starts[i], starts[i - 1]);
-  }
-  return starts;
+// The (sequence, KV head) tasks, those with the most rows times keys first. Threads take them
+// one at a time as they come free (longest processing time first): the tasks of one call differ
+// a lot in size (a 512-token prefill chunk's 16-token pieces see 16 to 512 keys), and torch's
+// split into contiguous ranges gave one thread of two the pieces that see the most keys. Ranges
+// of equal rows times keys balanced a prefill chunk but not a mixed step, whose decode tasks
+// cost more per key (the cache from DRAM) than a prefill piece's: taking tasks as threads come
+// free needs no cost model. A task's arithmetic does not depend on which thread runs it, so
+// results do not change.
+inline std::vector<int64_t> largest_first(const Plan& p, int64_t B) {
+  std::vector<int64_t> order(B * p.Hkv), cost(B);
+  for (int64_t b = 0; b < B; ++b) cost[b] = p.qlen[b] * (p.ctx[b] - first_key(p, b) + kTile);
+  for (int64_t t = 0; t < B * p.Hkv; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return cost[x / p.Hkv] > cost[y / p.Hkv]; });
+  return order;
 }
 
 // Every (sequence, KV head) task of the batch over torch's threads, each thread with its own
@@ -274,12 +269,13 @@ void run_tasks(const Plan& p, const torch::Tensor& q, const torch::Tensor& k_cac
   const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t slots = k_cache.size(1), max_q = *std::max_element(p.qlen, p.qlen + B);
-  const int64_t parts = std::min<int64_t>(at::get_num_threads(), B * p.Hkv);
-  const std::vector<int64_t> starts = balanced_starts(p, B, parts);
-  at::parallel_for(0, parts, 1, [&](int64_t i0, int64_t i1) {
+  const std::vector<int64_t> order = largest_first(p, B);
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(order.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
     Scratch s((p.H / p.Hkv) * max_q, p.D);
-    for (int64_t t = starts[i0]; t < starts[i1]; ++t) {
-      const int64_t b = t / p.Hkv, h = t % p.Hkv;
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      const int64_t b = order[i] / p.Hkv, h = order[i] % p.Hkv;
       attend_one(p, qp, kp + h * slots * p.D, vp + h * slots * p.D, op, b, h, s);
     }
   });

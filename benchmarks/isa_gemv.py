@@ -7,6 +7,11 @@ in each ISA variant this CPU runs, plus the int4 x int8 kernel (`gemv_int4_a8`) 
 shapes. The contenders take turns inside each repetition (the host may be shared), and each
 figure is the median of `--reps`. Prints a table; writes benchmarks/results/isa_gemv-<time>.json.
 
+`--gemm`: the step's four linears over 18 layers of distinct weights (read from DRAM, as in
+serving; Gemma 3 270M's shapes) at 5-256 rows, wall clock on `--threads` (default 2), serve's
+small-batch GEMM (`gemm_bf16_rows`, avx512_bf16 only) against oneDNN's prepacked GEMM taking turns:
+where `serve.quant.NATIVE_BF16_GEMM_MAX_ROWS` comes from.
+
 Clock: `--clock cpu` (the default) times one thread's CPU time (`time.thread_time`, torch on one
 thread so every kernel runs on the calling thread): on a host shared with other work, wall time
 measures the scheduler as much as the kernel, while CPU time only counts the cycles the kernel
@@ -25,7 +30,7 @@ from pathlib import Path
 import torch
 
 from serve import cpu_kernels
-from serve.quant import _mkldnn_pack
+from serve.quant import DenseLinear, _mkldnn_pack
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (name, out_features, in_features) of Gemma 3 270M's decode-step products
@@ -66,16 +71,58 @@ def _in_isa(isa: str, fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
+def layer_step(rows: int, layers: int, reps: int) -> dict[str, float]:
+    """ms for `rows` activation rows through every layer's four linears, oneDNN and serve's GEMM in turns."""
+    lins = [[DenseLinear(torch.randn(n, k).bfloat16() * 0.02) for _ in range(layers)] for _, n, k in GEMMA3_270M[:4]]
+    xs = [torch.randn(rows, k).bfloat16() for _, _, k in GEMMA3_270M[:4]]
+    pairs = [(x, lin) for x, ls in zip(xs, lins) for lin in ls]
+    mkldnn = torch.ops.mkldnn._linear_pointwise
+    fns = {
+        "onednn bf16": lambda: [mkldnn(x, li.packed, None, "none", [], "") for x, li in pairs],
+        "serve gemm_bf16_rows": lambda: [cpu_kernels.gemm_bf16_rows(x, li.weight) for x, li in pairs],
+    }
+    times: dict[str, list[float]] = {c: [] for c in fns}
+    for _ in range(reps):
+        for c, fn in fns.items():
+            times[c].append(timed(fn, 1, time.perf_counter))
+    return {c: statistics.median(ts) * 1e3 for c, ts in times.items()}
+
+
+def gemm_table(rows: list[int], threads: int, reps: int) -> list[dict[str, object]]:
+    """`--gemm`: the layer step at each row count, printed as it goes."""
+    torch.set_num_threads(threads)
+    table: list[dict[str, object]] = []
+    for m in rows:
+        ms = layer_step(m, 18, reps)
+        ratio = ms["onednn bf16"] / ms["serve gemm_bf16_rows"]
+        print(
+            f"rows {m:4d}  " + "  ".join(f"{c} {v:7.2f} ms" for c, v in ms.items()) + f"  onednn/serve {ratio:.3f}",
+            flush=True,
+        )
+        table += [{"rows": m, "kernel": c, "ms": v, "layers": 18} for c, v in ms.items()]
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default 1; 2 with --gemm)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--skip-head", action="store_true", help="leave out the 262k-row head (slow to time)")
+    p.add_argument("--gemm", action="store_true", help="18 layers' linears at --rows (default 5-256) from DRAM")
     args = p.parse_args(argv)
     if not cpu_kernels.available():
         p.error("serve's CPU kernels are not available here (see the log line above)")
+    if args.gemm:
+        if not cpu_kernels.has_bf16_dot() or cpu_kernels.isa() == "amx":
+            p.error(f"--gemm times serve's avx512_bf16 GEMM; this CPU runs {cpu_kernels.isa()}")
+        rows = [int(r) for r in args.rows.split(",")] if args.rows != "1,2,4,8" else [5, 8, 16, 33, 64, 128, 256]
+        threads = args.threads or 2
+        return _write(
+            {"mode": "gemm", "threads": threads, "torch": torch.__version__}, gemm_table(rows, threads, args.reps)
+        )
+    args.threads = args.threads or 1
     if args.clock == "cpu" and args.threads != 1:
         p.error("--clock cpu times one thread: use --threads 1 (or --clock wall)")
     torch.set_num_threads(args.threads)
@@ -100,15 +147,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name:8s} {n:6d}x{k:<5d} rows {m}  {c:26s} {med * 1e3:8.3f} ms  {gbs:6.1f} GB/s weights",
                     flush=True,
                 )
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"isa_gemv-{time.strftime('%Y%m%d-%H%M%S')}.json"
     meta = {
         "clock": args.clock,
         "threads": args.threads,
         "isas": cpu_kernels.supported_isas(),
         "torch": torch.__version__,
     }
-    path.write_text(json.dumps({**meta, "rows": table}, indent=1))
+    return _write(meta, table)
+
+
+def _write(meta: dict[str, object], table: list[dict[str, object]]) -> int:
+    """benchmarks/results/isa_gemv-<time>.json with the run's settings and rows."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"isa_gemv-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({**meta, "isa": cpu_kernels.isa(), "rows": table}, indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -46,6 +46,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 CPP_FILES = (
     "gemv.cpp",
     "amx.cpp",
+    "gemm_bf16.cpp",
     "attention.cpp",
     "rope_kv.cpp",
     "argmax.cpp",
@@ -56,9 +57,10 @@ CPP_FILES = (
     "bindings.cpp",
 )
 SOURCES = tuple(CSRC / name for name in CPP_FILES)
-HEADERS = (CSRC / "bf16.h", CSRC / "vmath.h", CSRC / "gemv_impl.h", CSRC / "attention_avx512.h")
+HEADERS = tuple(CSRC / name for name in ("bf16.h", "norm.h", "rows.h", "vmath.h", "gemv_impl.h", "attention_avx512.h"))
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
+SCREEN_TILE = 32  # logit columns per tile of the batch head screen (csrc/screen_gemm.cpp, kGroupCols)
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without the flag the kernels
 # silently run on one thread. The runtime loaded is torch's own libgomp (same soname).
@@ -461,13 +463,17 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     num_heads: int,
+    qk_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE on qk rows [T, (H + Hkv) * D] and the keys and v rows [T, Hkv * D] written at `slots` of
     one layer's cache [Hkv, slots, D]; returns (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]).
 
-    The same roundings as `serve.layers.apply_rope` plus `KVCache.write`, in one call.
+    The same roundings as `serve.layers.apply_rope` plus `KVCache.write`, in one call; with
+    `qk_weight` (float32 [H + Hkv, D], Gemma's 1 + w; bf16 rows) each head is first normalised as
+    `serve.layers.Norm` would (the same bits).
     """
-    q, k, v_rows = load().rope_write_kv(qk, v, cos, sin, slots, k_cache, v_cache, num_heads)
+    q, k, v_rows = load().rope_write_kv(qk, v, cos, sin, slots, k_cache, v_cache, num_heads, qk_weight, eps)
     return q, k, v_rows
 
 
@@ -505,11 +511,13 @@ def screen_gemm_u8(
     a: torch.Tensor,
     c: torch.Tensor,
     out: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch screen's int8 logits into out [M, V] from `screen_quantize` rows, the packed head
     (main, tail, rowsum) and its (scale, scale_l1); returns each row's best (lower, upper) bound
-    [M, 2] under b = a * scale + c * scale_l1 (AVX-512 VNNI; csrc/screen_gemm.cpp)."""
-    return load().screen_gemm_u8(*rows, *packed, *scales, a, c, out)
+    [M, 2] under b = a * scale + c * scale_l1, and each row's largest upper bound per tile of
+    `SCREEN_TILE` columns [M, ceil(V / SCREEN_TILE)] (AVX-512 VNNI; csrc/screen_gemm.cpp)."""
+    tile_hi = torch.empty(out.shape[0], -(-out.shape[1] // SCREEN_TILE))
+    return load().screen_gemm_u8(*rows, *packed, *scales, a, c, out, tile_hi), tile_hi
 
 
 def screen_pairs(
@@ -518,14 +526,16 @@ def screen_pairs(
     a: torch.Tensor,
     c: torch.Tensor,
     lohi: torch.Tensor,
+    tile_hi: torch.Tensor,
     step: float,
     slack: float,
     cap: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of approx, the columns that can hold its argmax (the floor of `screen_candidates`
     from the best bounds lohi): (rows, cols) int64 in row-major order and per-row counts, -1 for a
-    row with more than `cap` (AVX-512)."""
-    rows, cols, counts = load().screen_pairs(approx, *scales, a, c, lohi, step, slack, cap)
+    row with more than `cap` (AVX-512). Tiles whose `tile_hi` (`screen_gemm_u8`'s) stays below a
+    row's floor are not read."""
+    rows, cols, counts = load().screen_pairs(approx, *scales, a, c, lohi, tile_hi, step, slack, cap)
     return rows, cols, counts
 
 
@@ -542,6 +552,22 @@ def gemv_bf16_pairs(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, cols: 
     out = torch.empty(rows.numel())
     load().gemv_bf16_pairs(x, w, rows, cols, out)
     return out
+
+
+def add_rms_norm_bf16(
+    x: torch.Tensor, y: torch.Tensor, w_y: torch.Tensor | None, w_x: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x + norm_y(y), norm_x(that sum)) for bf16 rows in one pass, rounded where torch's separate
+    ops round (csrc/norm.cpp): w_y float32 (Gemma's 1 + w) or None (add y as is); w_x float32 (one
+    rounding), bf16 (transformers' two) or None (no next norm: the second result is None)."""
+    xo, h = load().add_rms_norm_bf16(x, y, w_y, w_x, eps)
+    return xo, (h if w_x is not None else None)
+
+
+def gemm_bf16_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [M, N]: x [M, K] @ weight.T (+ a float32 bias) for bf16 x and weight, float32 sums rounded
+    once, the weight read in place and asked for ahead (csrc/gemm_bf16.cpp); avx512_bf16 and amx only."""
+    return load().gemm_bf16_rows(x, weight, bias)
 
 
 def gated_act_bf16(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -128,9 +128,9 @@ class BatchScreen:
         if not bool(torch.isfinite(a).all()):  # inf or NaN activations: the whole head says what they give
             return None, -1
         out = torch.empty(rows, self.out_features) if out is None else out
-        lohi = cpu_kernels.screen_gemm_u8(quantized, self.packed, self.scales, a, c, out)
+        lohi, tile_hi = cpu_kernels.screen_gemm_u8(quantized, self.packed, self.scales, a, c, out)
         cap = self.out_features // FLAT_SHARE
-        r, cols, counts = cpu_kernels.screen_pairs(out, self.scales, a, c, lohi, step, slack, cap)
+        r, cols, counts = cpu_kernels.screen_pairs(out, self.scales, a, c, lohi, tile_hi, step, slack, cap)
         if bool((counts < 0).any()):
             return None, -1
         pairs = cpu_kernels.gemv_bf16_pairs if self.weight.dtype == torch.bfloat16 else cpu_kernels.gemv_f32_pairs

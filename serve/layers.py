@@ -150,6 +150,30 @@ class Norm:
         return rms_norm(x, self.weight, self.eps)
 
 
+def add_norm(
+    x: torch.Tensor, y: torch.Tensor, out_norm: Norm | None, next_norm: Norm | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual step between branches: x + out_norm(y) (y where there is no such norm) and
+    next_norm of that sum (None where `next_norm` is None: the last layer, whose final norm reads
+    only the rows that sample).
+
+    bf16 rows on the CPU take serve's kernel, one pass over each row with torch's roundings
+    (`cpu_kernels.add_rms_norm_bf16`, the same bits as the three calls); elsewhere the calls.
+    """
+    fused = x.dtype == torch.bfloat16 and y.dtype == torch.bfloat16 and x.device.type == "cpu"
+    fused = fused and x.shape == y.shape and cpu_kernels.available()
+    fused = fused and (out_norm is None or (out_norm.plus_one and out_norm.weight.dim() == 1))
+    fused = fused and (next_norm is None or next_norm.weight.dim() == 1)
+    eps = {n.eps for n in (out_norm, next_norm) if n is not None}
+    if fused and len(eps) <= 1:
+        w_y = out_norm.weight if out_norm is not None else None
+        w_x = next_norm.weight if next_norm is not None else None
+        if w_x is None or w_x.dtype in (torch.float32, torch.bfloat16):
+            return cpu_kernels.add_rms_norm_bf16(x, y, w_y, w_x, eps.pop() if eps else 1e-6)
+    x = x + (y if out_norm is None else out_norm(y))
+    return x, (None if next_norm is None else next_norm(x))
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The gate activation of the MLP: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
     if name == "gelu_pytorch_tanh":

@@ -29,7 +29,7 @@ from serve.head_screen import MIN_ROWS as SCREEN_MIN_ROWS
 from serve.head_screen import HeadScreen
 from serve.kv_cache import KVCache
 from serve.kv_layout import KVLayout, bind_to, layout_for
-from serve.layers import LayerWeights, Norm, apply_rope, gated_activation, load_layer, rms_norm
+from serve.layers import LayerWeights, Norm, add_norm, apply_rope, gated_activation, load_layer, rms_norm
 from serve.quant import DenseLinear
 from serve.rope import RotaryEmbedding
 from serve.sampler import GumbelDraw
@@ -271,24 +271,28 @@ class DecoderModel:
             x = x * self.embed_scale
         n_q, n_kv, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
         fused = self._fused_rope_write(kv, write_kv)
+        h = self.layers[0].input_norm(x)
         for i, layer in enumerate(self.layers):
             key = (self.kv_layout.layer_group[i], layer.window)
             meta, slot = metas[key], self.kv_layout.layer_slot[i]
             k_cache, v_cache = kv.layers[slot]
             cos, sin = tables[1 if layer.window and 1 in tables else None]
-            h = layer.input_norm(x)
             qk, v = layer.qkv(h).split([n_q + n_kv, n_kv], dim=-1)
-            if layer.qk_norm is not None:  # per-head RMSNorm of q and k in one call, before RoPE
-                qk = layer.qk_norm(qk.reshape(-1, c.num_heads + c.num_kv_heads, d))
-            if fused:  # RoPE and the cache write in one C++ call (serve/csrc/rope_kv.cpp)
+            norm = layer.qk_norm
+            in_rope = fused and norm is not None and norm.plus_one and qk.dtype == torch.bfloat16
+            if norm is not None and not in_rope:  # per-head RMSNorm of q and k in one call, before RoPE
+                qk = norm(qk.reshape(-1, c.num_heads + c.num_kv_heads, d))
+            if fused:  # (q/k norms,) RoPE and the cache write in one C++ call (serve/csrc/rope_kv.cpp)
                 slots = self.backend.slot_mapping(meta)
-                q, k, v = cpu_kernels.rope_write_kv(qk, v, cos, sin, slots, k_cache, v_cache, c.num_heads)
+                extra = (norm.weight, norm.eps) if in_rope else ()
+                q, k, v = cpu_kernels.rope_write_kv(qk, v, cos, sin, slots, k_cache, v_cache, c.num_heads, *extra)
             else:
                 q, k, v = self._rope_and_write(qk, v, cos, sin, kv, slot, meta, write_kv)
             o = layer.o(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale).reshape(-1, n_q))
-            x = x + (o if layer.attn_out_norm is None else layer.attn_out_norm(o))
-            m = layer.down(self.gated_act(layer.gate_up(layer.pre_mlp_norm(x))))
-            x = x + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))
+            x, h = add_norm(x, o, layer.attn_out_norm, layer.pre_mlp_norm)
+            m = layer.down(self.gated_act(layer.gate_up(h)))
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            x, h = add_norm(x, m, layer.mlp_out_norm, following)
         x = self.norm(x.index_select(0, rows))
         batch_screen = self.screen is not None and self.screen.batch is not None
         in_buffer = reuse_logits and (isinstance(self.head, SlicedHead) or batch_screen)

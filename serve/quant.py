@@ -31,6 +31,11 @@ F32_KERNEL_MAX_ROWS = 6  # float32 weights: serve's AVX2 kernel up to here (oneD
 # bf16 weights on a native-bf16 CPU: serve's kernel up to here, oneDNN's prepacked (AMX) GEMM above
 # (the crossover `python -m benchmarks.isa_gemv` finds on Gemma 3 270M's shapes; docs/results.md).
 NATIVE_BF16_KERNEL_MAX_ROWS = 4
+# bf16 weights on an avx512_bf16 CPU (not amx): serve's small-batch GEMM (csrc/gemm_bf16.cpp) from
+# there up to here, oneDNN's prepacked GEMM above. Gemma 3 270M's 18 layers from DRAM on Zen 4, 2
+# threads: 8 rows 6.5 ms against 8.7, 33 rows 17.4 against 20.2, 128 rows 66.2 against 69.4, 256
+# rows 127.3 against 121.1 (`python -m benchmarks.isa_gemv --gemm`; docs/results.md)
+NATIVE_BF16_GEMM_MAX_ROWS = 128
 # rows a bf16 weight is prepacked for. oneDNN picks the blocked layout by this hint: 1 gives a
 # GEMV layout (AB16b64a2b) that the AMX kernel runs at about half speed for 8-512 rows (the LM
 # head of Gemma 3 at 32-48 rows: 45-50 ms against 24-35 ms); any hint from 16 up gives the same
@@ -273,6 +278,7 @@ class DenseLinear:
         self.kernel_max_rows = cpu_kernels.MAX_ROWS if upcast and use else 0
         if native:
             self.kernel_max_rows = NATIVE_BF16_KERNEL_MAX_ROWS
+        self.gemm_max_rows = NATIVE_BF16_GEMM_MAX_ROWS if native and self.amx is None else 0
         on_cpu = weight.device.type == "cpu"
         self.f32_kernel_max_rows = F32_KERNEL_MAX_ROWS if is_f32 and on_cpu and use else 0
 
@@ -283,6 +289,10 @@ class DenseLinear:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if x.dtype == torch.bfloat16 and rows <= self.kernel_max_rows:
             return self._kernel(x, rows)
+        if x.dtype == torch.bfloat16 and rows <= self.gemm_max_rows:
+            x2 = x if x.dim() == 2 else x.reshape(rows, self.in_features)
+            y = cpu_kernels.gemm_bf16_rows(x2.contiguous(), self.weight, self.bias32)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         if self.weight32 is not None and x.dtype == torch.bfloat16 and rows >= self.upcast_min_rows:
             return self._upcast(x, rows)
         if x.dtype == torch.float32 and rows <= self.f32_kernel_max_rows:

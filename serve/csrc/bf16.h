@@ -41,6 +41,17 @@ inline __m256i bf16x8_bits(__m256 v) {
   return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
+// float_to_bf16 of four values, packed into the low 64 bits.
+inline __m128i bf16x4_bits(__m128 v) {
+  const __m128i bits = _mm_castps_si128(v);
+  const __m128i high = _mm_srli_epi32(bits, 16);
+  const __m128i bias = _mm_add_epi32(_mm_set1_epi32(0x7fff), _mm_and_si128(high, _mm_set1_epi32(1)));
+  const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, bias), 16);
+  const __m128i quiet = _mm_or_si128(high, _mm_set1_epi32(0x40));
+  const __m128i r = _mm_blendv_epi8(rounded, quiet, _mm_castps_si128(_mm_cmpunord_ps(v, v)));
+  return _mm_packus_epi32(r, r);
+}
+
 // Eight values rounded to bf16 and widened back (what a bf16 op's result reads as).
 inline __m256 bf16x8_round(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_bits(v), 16)); }
 

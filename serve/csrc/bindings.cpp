@@ -31,22 +31,26 @@ std::vector<torch::Tensor> screen_quantize(const torch::Tensor& x, int64_t Km, i
 torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, const torch::Tensor& params,
                              const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
                              const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
-                             const torch::Tensor& c, torch::Tensor out);
+                             const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi);
 std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
-                                        const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi, double step,
-                                        double slack, int64_t cap);
+                                        const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi,
+                                        const torch::Tensor& tile_hi, double step, double slack, int64_t cap);
 void gemv_f32_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
                     torch::Tensor out);
 void gemv_bf16_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
                      torch::Tensor out);
+torch::Tensor gemm_bf16_rows(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias);
 torch::Tensor gated_act_bf16(const torch::Tensor& gate_up, bool gelu);
 torch::Tensor rms_norm_bf16_scaled(const torch::Tensor& x, const torch::Tensor& w, double eps);
+std::vector<torch::Tensor> add_rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& y, const c10::optional<torch::Tensor>& w_y,
+                                             const c10::optional<torch::Tensor>& w_x, double eps);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& ctx_lens, const torch::Tensor& q_starts,
                               const torch::Tensor& q_lens, int64_t block_size, double scale, int64_t window);
 std::vector<torch::Tensor> rope_write_kv(const torch::Tensor& qk, const torch::Tensor& v, const torch::Tensor& cos,
                                          const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor k_cache,
-                                         torch::Tensor v_cache, int64_t num_heads);
+                                         torch::Tensor v_cache, int64_t num_heads, const c10::optional<torch::Tensor>& qk_weight,
+                                         double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for a bf16 weight, float32 accumulation ");
@@ -69,6 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_order", &row_order, "how one-row products walk the weights: 'stream' or 'interleave'");
   m.def("parallel_threads", &parallel_threads, "threads at::parallel_for ran on (1 without OpenMP)");
   m.def("rms_norm_bf16_scaled", &rms_norm_bf16_scaled, "RMSNorm of bf16 rows times a float32 weight, rounded once (Gemma's 1 + w)");
+  m.def("gemm_bf16_rows", &gemm_bf16_rows, "x @ w.T (+ bias) for bf16 x and w of 5-96 rows, bf16 out, weights asked for ahead");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "x + norm(y) and the next norm of that sum, bf16 rows, in one pass");
   m.def("gated_act_bf16", &gated_act_bf16, "act(gate) * up of bf16 rows [T, 2I] holding gate then up; SiLU or tanh GELU");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or first NaN), as torch.argmax(-1)");
   m.def("screen_candidates", &screen_candidates, "columns whose bounded logit can reach its row's best (serve/head_screen.py)");

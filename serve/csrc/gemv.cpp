@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "rows.h"
 
 namespace {
 
@@ -209,16 +210,7 @@ QuantRows quantize_rows(const float* x, int R, int64_t K, int64_t group) {
 // Calls f(std::integral_constant<int, R>) for a chunk of `rows` activation rows (1-8).
 template <typename F>
 void by_rows(int rows, F&& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-  }
+  warsha::with_rows<kMaxRows>(rows, std::forward<F>(f));
 }
 
 // ---- two blocks per step (K a multiple of 64, groups of 64 or more).

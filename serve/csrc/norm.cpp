@@ -18,44 +18,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "bf16.h"
+#include "norm.h"
 
-namespace {
-
-// sum of x[i]^2 over H bf16 values, in float32: eight lanes of partial sums, then the tail.
-inline float sum_squares(const uint16_t* x, int64_t H) {
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= H; i += 16) {
-    const __m256 u = warsha::bf16x8_load(x + i), v = warsha::bf16x8_load(x + i + 8);
-    a = _mm256_fmadd_ps(u, u, a);
-    b = _mm256_fmadd_ps(v, v, b);
-  }
-  if (i + 8 <= H) {
-    const __m256 u = warsha::bf16x8_load(x + i);
-    a = _mm256_fmadd_ps(u, u, a);
-    i += 8;
-  }
-  a = _mm256_add_ps(a, b);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float sum = _mm_cvtss_f32(s);
-  for (; i < H; ++i) {
-    const float v = warsha::bf16_to_float(x[i]);
-    sum += v * v;
-  }
-  return sum;
-}
-
-inline float inv_rms(const uint16_t* x, int64_t H, float eps) {
-  return 1.f / std::sqrt(sum_squares(x, H) / static_cast<float>(H) + eps);
-}
-
-}  // namespace
+using warsha::inv_rms;
 
 torch::Tensor rms_norm_bf16_scaled(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
   TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16 && x_in.device().is_cpu(), "rms_norm_bf16_scaled takes bf16 CPU rows");
@@ -117,4 +88,87 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x_in, const torch::Tensor& w_in
     }
   });
   return out;
+}
+
+namespace {
+
+// Row r of the fused residual step (add_rms_norm_bf16): n = norm_y(y) (or y), x' = x + n, h = norm_x(x').
+struct AddNormRow {
+  const float* wy;       // the branch output's norm weight (float32, Gemma's 1 + w), or null: add y as is
+  const float* wx32;     // the next norm's weight: float32 (one rounding) ...
+  const uint16_t* wx16;  // ... or bf16 (transformers' two roundings); both null: no next norm
+  float eps;
+  int64_t H;
+
+  void operator()(const uint16_t* x, const uint16_t* y, uint16_t* xo, uint16_t* h) const {
+    const float iy = wy != nullptr ? inv_rms(y, H, eps) : 0.f;
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) {
+      __m256 n = warsha::bf16x8_load(y + i);
+      if (wy != nullptr) n = warsha::bf16x8_round(_mm256_mul_ps(_mm256_mul_ps(n, _mm256_set1_ps(iy)), _mm256_loadu_ps(wy + i)));
+      warsha::bf16x8_store(xo + i, _mm256_add_ps(warsha::bf16x8_load(x + i), n));
+    }
+    for (; i < H; ++i) {
+      float n = warsha::bf16_to_float(y[i]);
+      if (wy != nullptr) n = warsha::bf16_to_float(warsha::float_to_bf16(n * iy * wy[i]));
+      xo[i] = warsha::float_to_bf16(warsha::bf16_to_float(x[i]) + n);
+    }
+    if (h == nullptr) return;
+    const float ix = inv_rms(xo, H, eps);
+    const __m256 iv = _mm256_set1_ps(ix);
+    for (i = 0; i + 8 <= H; i += 8) {
+      const __m256 v = _mm256_mul_ps(warsha::bf16x8_load(xo + i), iv);
+      if (wx32 != nullptr)
+        warsha::bf16x8_store(h + i, _mm256_mul_ps(v, _mm256_loadu_ps(wx32 + i)));
+      else
+        warsha::bf16x8_store(h + i, _mm256_mul_ps(warsha::bf16x8_load(wx16 + i), warsha::bf16x8_round(v)));
+    }
+    for (; i < H; ++i) {
+      const float v = warsha::bf16_to_float(xo[i]) * ix;
+      h[i] = wx32 != nullptr ? warsha::float_to_bf16(v * wx32[i])
+                             : warsha::float_to_bf16(warsha::bf16_to_float(wx16[i]) * warsha::bf16_to_float(warsha::float_to_bf16(v)));
+    }
+  }
+};
+
+}  // namespace
+
+// The residual step between a layer's branches, in one pass over each row: x' = x + norm_y(y)
+// (Gemma's post-attention / post-MLP norm of the branch output y; y itself where w_y is None),
+// then h = norm_x(x') (the next pre-attention / pre-MLP norm; none where w_x is None), with each
+// value rounded to bf16 where torch's separate ops round it: norm_y's output, the sum, norm_x's
+// output (a float32 w_x: Gemma's one rounding; a bf16 w_x: transformers' two). What torch did in
+// three calls, two of them through a [rows, hidden] tensor in memory. Returns (x', h or empty).
+std::vector<torch::Tensor> add_rms_norm_bf16(const torch::Tensor& x_in, const torch::Tensor& y_in,
+                                             const c10::optional<torch::Tensor>& w_y, const c10::optional<torch::Tensor>& w_x,
+                                             double eps) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kBFloat16 && y_in.scalar_type() == torch::kBFloat16 && x_in.device().is_cpu(),
+              "add_rms_norm_bf16 takes bf16 CPU x and y");
+  TORCH_CHECK(x_in.sizes() == y_in.sizes() && x_in.dim() >= 1, "x and y must have one shape, got ", x_in.sizes(), " and ", y_in.sizes());
+  const torch::Tensor x = x_in.contiguous(), y = y_in.contiguous();
+  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
+  torch::Tensor wy, wx;
+  if (w_y.has_value()) {
+    wy = w_y->contiguous();
+    TORCH_CHECK(wy.scalar_type() == torch::kFloat32 && wy.numel() == H, "w_y must be float32 [", H, "]");
+  }
+  if (w_x.has_value()) {
+    wx = w_x->contiguous();
+    TORCH_CHECK((wx.scalar_type() == torch::kFloat32 || wx.scalar_type() == torch::kBFloat16) && wx.numel() == H,
+                "w_x must be float32 or bf16 [", H, "]");
+  }
+  torch::Tensor xo = torch::empty_like(x);
+  torch::Tensor h = w_x.has_value() ? torch::empty_like(x) : torch::empty({0}, x.options());
+  const AddNormRow row{wy.defined() ? wy.data_ptr<float>() : nullptr,
+                       wx.defined() && wx.scalar_type() == torch::kFloat32 ? wx.data_ptr<float>() : nullptr,
+                       wx.defined() && wx.scalar_type() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(wx.data_ptr()) : nullptr,
+                       static_cast<float>(eps), H};
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(xo.data_ptr());
+  auto* hp = w_x.has_value() ? reinterpret_cast<uint16_t*>(h.data_ptr()) : nullptr;
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) row(xp + r * H, yp + r * H, op + r * H, hp ? hp + r * H : nullptr);
+  });
+  return {xo, h};
 }

@@ -11,6 +11,10 @@
 // scalar loop, with a bf16 rounding per product, took 2.9 ms per layer for a 512-token chunk of
 // Gemma 3 270M (8 ms of a mixed serving step), the data being 1.3 MB.
 //
+// Gemma's q/k norms may come along (`qk_weight`, float32 [H + Hkv, D], its 1 + w): each head is
+// then normalised first, as `serve.layers.Norm` does in its own call (csrc/norm.cpp's statistic,
+// times the weight row, one bf16 rounding), and rotated from that; bf16 rows only.
+//
 // Layouts: qk rows [T, (H + Hkv) * D] (query heads then key heads, each head's D values
 // contiguous; rows may be strided, e.g. a split of the fused q|k|v output), v rows [T, Hkv * D]
 // likewise; cos, sin [T, D]; k_cache, v_cache [Hkv, slots, D]; slots [T] int64.
@@ -22,9 +26,11 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
+#include "norm.h"
 
 namespace {
 
@@ -74,7 +80,31 @@ inline void rotate_head(const typename N::T* x, const typename N::T* c, const ty
 
 struct Dims {
   int64_t H, Hkv, D, slots, qk_stride, v_stride;
+  const float* norm;  // float32 [H + Hkv, D] q/k norm weights (bf16 rows), or null
+  float eps;
 };
+
+// One head of D bf16 values normalised into `out`: round(x * inv_rms(x) * w), as rms_norm_bf16_scaled.
+inline void norm_head(const uint16_t* x, const float* w, int64_t D, float eps, uint16_t* out) {
+  const float inv = warsha::inv_rms(x, D, eps);
+  const __m256 iv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8)
+    warsha::bf16x8_store(out + i, _mm256_mul_ps(_mm256_mul_ps(warsha::bf16x8_load(x + i), iv), _mm256_loadu_ps(w + i)));
+  for (; i < D; ++i) out[i] = warsha::float_to_bf16(warsha::bf16_to_float(x[i]) * inv * w[i]);
+}
+
+// Head h of a token's q|k row, normalised into `scratch` where the call brought q/k norms.
+template <typename N>
+inline const typename N::T* head_in(const typename N::T* row, int64_t h, const Dims& d, typename N::T* scratch) {
+  if constexpr (std::is_same_v<typename N::T, uint16_t>) {
+    if (d.norm != nullptr) {
+      norm_head(row + h * d.D, d.norm + h * d.D, d.D, d.eps, scratch);
+      return scratch;
+    }
+  }
+  return row + h * d.D;
+}
 
 template <typename N>
 void rope_tokens(const torch::Tensor& qk, const torch::Tensor& v, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -90,14 +120,15 @@ void rope_tokens(const torch::Tensor& qk, const torch::Tensor& v, const torch::T
   T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
   T* vc = reinterpret_cast<T*>(v_cache.data_ptr());
   const int64_t D = d.D;
+  std::vector<T> scratch(d.norm != nullptr ? D : 0);
   for (int64_t t = t0; t < t1; ++t) {
     const T* row = qkp + t * d.qk_stride;
     const T* c = cp + t * D;
     const T* s = sp + t * D;
-    for (int64_t h = 0; h < d.H; ++h) rotate_head<N>(row + h * D, c, s, D, qo + (t * d.H + h) * D);
+    for (int64_t h = 0; h < d.H; ++h) rotate_head<N>(head_in<N>(row, h, d, scratch.data()), c, s, D, qo + (t * d.H + h) * D);
     for (int64_t h = 0; h < d.Hkv; ++h) {
       T* k = ko + (t * d.Hkv + h) * D;
-      rotate_head<N>(row + (d.H + h) * D, c, s, D, k);
+      rotate_head<N>(head_in<N>(row, d.H + h, d, scratch.data()), c, s, D, k);
       std::memcpy(kc + (h * d.slots + slot[t]) * D, k, sizeof(T) * D);
       std::memcpy(vc + (h * d.slots + slot[t]) * D, vp + t * d.v_stride + h * D, sizeof(T) * D);
     }
@@ -116,7 +147,8 @@ int64_t row_stride(const torch::Tensor& x, int64_t width, const char* name) {
 
 std::vector<torch::Tensor> rope_write_kv(const torch::Tensor& qk, const torch::Tensor& v, const torch::Tensor& cos_in,
                                          const torch::Tensor& sin_in, const torch::Tensor& slots_in, torch::Tensor k_cache,
-                                         torch::Tensor v_cache, int64_t num_heads) {
+                                         torch::Tensor v_cache, int64_t num_heads, const c10::optional<torch::Tensor>& qk_weight,
+                                         double eps) {
   const auto dtype = qk.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "rope_write_kv takes float32 or bf16");
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&v, &cos_in, &sin_in, &k_cache, &v_cache})
@@ -125,7 +157,14 @@ std::vector<torch::Tensor> rope_write_kv(const torch::Tensor& qk, const torch::T
               "rope_write_kv: caches must be contiguous [Hkv, slots, D] of one shape");
   const torch::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const torch::Tensor slots = slots_in.to(torch::kInt64).contiguous();
-  Dims d{num_heads, k_cache.size(0), k_cache.size(2), k_cache.size(1), 0, 0};
+  Dims d{num_heads, k_cache.size(0), k_cache.size(2), k_cache.size(1), 0, 0, nullptr, static_cast<float>(eps)};
+  torch::Tensor norm_w;
+  if (qk_weight.has_value()) {
+    norm_w = qk_weight->contiguous();
+    TORCH_CHECK(dtype == torch::kBFloat16 && norm_w.scalar_type() == torch::kFloat32 && norm_w.numel() == (d.H + d.Hkv) * d.D,
+                "rope_write_kv: qk_weight must be float32 [H + Hkv, D] (1 + w) with bf16 rows");
+    d.norm = norm_w.data_ptr<float>();
+  }
   const int64_t T = qk.size(0);
   TORCH_CHECK(d.D % 2 == 0 && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == d.D && sin.sizes() == cos.sizes(),
               "rope_write_kv: cos/sin must be [T, D] with an even D");

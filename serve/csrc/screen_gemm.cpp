@@ -52,6 +52,8 @@ struct Gemm {
   const float* c;         // [M]
   int64_t Km, T, V;
   float* out;             // [M, V]
+  float* tile_hi;         // [M, groups]: each row's largest upper bound y + b over each tile's 32 columns
+  int64_t groups;
 };
 
 }  // namespace
@@ -135,6 +137,9 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
     _mm512_store_si512(tails[0][r], a0[r]);
     _mm512_store_si512(tails[1][r], a1[r]);
   }
+  __m512 top[R];  // per row, the tile's upper bounds folded lane-wise
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) top[r] = _mm512_set1_ps(kNegInf);
   for (int j = 0; j < 2; ++j) {
     const int64_t col = (b0 + j) * kLanes;
     const int64_t left = g.V - col;
@@ -150,9 +155,12 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
       float* lr = lo + r * kLanes;
       float* hr = hi + r * kLanes;
       _mm512_storeu_ps(lr, _mm512_mask_max_ps(_mm512_loadu_ps(lr), mask, _mm512_loadu_ps(lr), _mm512_sub_ps(y, b)));
-      _mm512_storeu_ps(hr, _mm512_mask_max_ps(_mm512_loadu_ps(hr), mask, _mm512_loadu_ps(hr), _mm512_add_ps(y, b)));
+      const __m512 up = _mm512_add_ps(y, b);
+      _mm512_storeu_ps(hr, _mm512_mask_max_ps(_mm512_loadu_ps(hr), mask, _mm512_loadu_ps(hr), up));
+      top[r] = _mm512_mask_max_ps(top[r], mask, top[r], up);
     }
   }
+  for (int r = 0; r < R; ++r) g.tile_hi[(m0 + r) * g.groups + b0 / 2] = _mm512_reduce_max_ps(top[r]);
 }
 
 void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead) {
@@ -173,12 +181,19 @@ void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float*
 }
 
 // The columns of one row of logits whose upper bound reaches `floor`, ascending, appended to
-// `cols`; false (and `cols` left with at most `cap` more) when more than `cap` do.
+// `cols`; false (and `cols` left with at most `cap` more) when more than `cap` do. Tiles whose
+// largest upper bound (`tile_hi`, screen_gemm_u8's, the same float32 sums) stays below `floor`
+// are skipped unread: at 33 rows the pass read 35 MB of logits for about 30 candidates a row.
+// A NaN maximum compares false, so its tile is read.
 bool row_candidates(const float* y, const float* s, const float* sl, float a, float c, float floor, int64_t V, int64_t cap,
-                    std::vector<int64_t>& cols) {
+                    const float* tile_hi, std::vector<int64_t>& cols) {
   const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(c), vf = _mm512_set1_ps(floor);
   const size_t start = cols.size();
   for (int64_t v = 0; v < V; v += kLanes) {
+    if (v % kGroupCols == 0 && tile_hi[v / kGroupCols] < floor) {  // no column of this tile reaches it
+      v += kGroupCols - kLanes;
+      continue;
+    }
     const int64_t left = V - v;
     const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
     const __m512 b = _mm512_fmadd_ps(vc, _mm512_maskz_loadu_ps(mask, sl + v), _mm512_mul_ps(va, _mm512_maskz_loadu_ps(mask, s + v)));
@@ -257,7 +272,7 @@ std::vector<torch::Tensor> screen_quantize(const torch::Tensor& x_in, int64_t Km
 torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, const torch::Tensor& params,
                              const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
                              const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
-                             const torch::Tensor& c, torch::Tensor out) {
+                             const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
               "screen_gemm_u8 needs AVX-512 VNNI");
   TORCH_CHECK(u.dim() == 2 && u.scalar_type() == torch::kUInt8 && u.is_contiguous(), "u must be uint8 [M, Km]");
@@ -276,12 +291,13 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
   check_f32(c, M, "c");
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M,
               "out must be contiguous float32 [M, V]");
+  const int64_t groups = (V + kGroupCols - 1) / kGroupCols;
+  check_f32(tile_hi, M * groups, "tile_hi");
   const Gemm g{u.data_ptr<uint8_t>(), w16.data_ptr<int16_t>(), params.data_ptr<float>(), main.data_ptr<int8_t>(),
                tail.data_ptr<int16_t>(), rowsum.data_ptr<int32_t>(), scale.data_ptr<float>(), scale_l1.data_ptr<float>(),
-               a.data_ptr<float>(), c.data_ptr<float>(), Km, T, V, out.data_ptr<float>()};
+               a.data_ptr<float>(), c.data_ptr<float>(), Km, T, V, out.data_ptr<float>(), tile_hi.data_ptr<float>(), groups};
   std::vector<float> lo(M * kLanes, kNegInf), hi(M * kLanes, kNegInf);
   std::mutex merge;
-  const int64_t groups = (V + kGroupCols - 1) / kGroupCols;
   at::parallel_for(0, groups, 64, [&](int64_t g0, int64_t g1) {
     std::vector<float> tlo(M * kLanes, kNegInf), thi(M * kLanes, kNegInf);
     for (int64_t grp = g0; grp < g1; ++grp)
@@ -307,8 +323,8 @@ float screen_floor(float lo, float hi, double step, double slack);  // screen.cp
 // int64 [P], cols int64 [P]} in row-major order, and per-row counts int64 [M], -1 for a row with
 // more than `cap` (its columns then left out).
 std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
-                                        const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi, double step,
-                                        double slack, int64_t cap) {
+                                        const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi,
+                                        const torch::Tensor& tile_hi, double step, double slack, int64_t cap) {
   TORCH_CHECK(__builtin_cpu_supports("avx512f"), "screen_pairs needs AVX-512");
   TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == torch::kFloat32 && approx.is_contiguous(), "approx must be float32 [M, V]");
   const int64_t M = approx.size(0), V = approx.size(1);
@@ -316,6 +332,9 @@ std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch
   check_f32(a, M, "a");
   check_f32(c, M, "c");
   check_f32(lohi, M * 2, "lohi");
+  const int64_t groups = (V + kGroupCols - 1) / kGroupCols;
+  check_f32(tile_hi, M * groups, "tile_hi");
+  const float* th = tile_hi.data_ptr<float>();
   std::vector<std::vector<int64_t>> per(M);
   std::vector<int64_t> counts(M);
   const float *y = approx.data_ptr<float>(), *s = scale.data_ptr<float>(), *sl = scale_l1.data_ptr<float>();
@@ -323,7 +342,7 @@ std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float floor = screen_floor(pb[2 * m], pb[2 * m + 1], step, slack);
-      const bool ok = row_candidates(y + m * V, s, sl, pa[m], pc[m], floor, V, cap, per[m]);
+      const bool ok = row_candidates(y + m * V, s, sl, pa[m], pc[m], floor, V, cap, th + m * groups, per[m]);
       counts[m] = ok ? static_cast<int64_t>(per[m].size()) : -1;
       if (!ok) per[m].clear();
     }

@@ -81,7 +81,7 @@ def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: in
     u, w16, params = quantized = _quantized(screen, x)
     a, c = torch.rand(rows), torch.rand(rows)
     out = torch.empty(rows, 1003)
-    lohi = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, out)
+    lohi, tile_hi = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, out)
     q = screen.q.index_select(1, b.perm).double()
     k_main = 198 - b.tail
     t, t2, z = (params[:, i].double()[:, None] for i in range(3))
@@ -91,6 +91,8 @@ def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: in
     bound = a.double()[:, None] * screen.scale.double() + c.double()[:, None] * screen.scale_l1.double()
     best = torch.stack([(out.double() - bound).amax(1), (out.double() + bound).amax(1)], dim=1)
     assert torch.allclose(lohi.double(), best, rtol=1e-5, atol=1e-6)
+    up = torch.nn.functional.pad(out.double() + bound, (0, 1024 - 1003), value=float("-inf"))
+    assert torch.allclose(tile_hi.double(), up.view(rows, 32, 32).amax(2), rtol=1e-5, atol=1e-6)  # per 32 columns
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -121,13 +123,23 @@ def test_pairs_match_a_brute_force_selection(isa: str) -> None:
     a, c = torch.rand(4, generator=g), torch.rand(4, generator=g)
     bound = a[:, None] * scale + c[:, None] * scale_l1
     lohi = torch.stack([(approx - bound).amax(1), (approx + bound).amax(1)], dim=1)
-    rows, cols, counts = cpu_kernels.screen_pairs(approx, (scale, scale_l1), a, c, lohi, 2.0**-7, 0.25, 300)
+    up = torch.nn.functional.pad(approx + bound, (0, 1024 - 1003), value=float("-inf"))
+    tile_hi = up.view(4, 32, 32).amax(2).contiguous() + 1e-3  # at or above every column of its tile
+    rows, cols, counts = cpu_kernels.screen_pairs(approx, (scale, scale_l1), a, c, lohi, tile_hi, 2.0**-7, 0.25, 300)
     low, high = lohi[:, 0], lohi[:, 1]
     floor = low - torch.maximum(low.abs(), high.abs()) * 2.0**-7 - 0.25
     want = [[v for v in range(1003) if float(approx[m, v] + bound[m, v]) >= float(floor[m])] for m in range(4)]
     assert counts.tolist() == [len(want[0]), len(want[1]), len(want[2]), -1]
     got = [cols[rows == m].tolist() for m in range(3)]
     assert got == want[:3] and not (rows == 3).any()
+    # a tile whose maximum stays below the floor is not read: its columns drop out even where they reach it
+    hit = want[0][0] // 32
+    tile_hi[0, hit] = float("-inf")
+    rows, cols, _ = cpu_kernels.screen_pairs(approx, (scale, scale_l1), a, c, lohi, tile_hi, 2.0**-7, 0.25, 300)
+    assert cols[rows == 0].tolist() == [v for v in want[0] if v // 32 != hit]
+    tile_hi[0, hit] = float("nan")  # a NaN maximum compares false: its tile is read
+    rows, cols, _ = cpu_kernels.screen_pairs(approx, (scale, scale_l1), a, c, lohi, tile_hi, 2.0**-7, 0.25, 300)
+    assert cols[rows == 0].tolist() == want[0]
 
 
 def test_float32_pair_products_against_float64(isa: str) -> None:

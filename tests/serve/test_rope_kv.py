@@ -108,3 +108,29 @@ def test_bad_inputs_are_refused_before_any_write(change: str, message: str) -> N
     with pytest.raises(RuntimeError, match=message):
         cpu_kernels.rope_write_kv(qk, v, cos, sin, where, k_cache, v_cache, 2)
     assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("tokens, heads, kv_heads, dim", [(1, 4, 1, 256), (70, 6, 2, 64), (5, 2, 1, 20)])
+def test_qk_norms_in_the_call_give_the_bits_of_the_norm_then_rope(
+    tokens: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Gemma's q/k norms folded into the call (bf16, float32 1 + w per head row) against
+    `serve.layers.Norm` on the heads, then the call without them: equal bit for bit, caches too."""
+    from serve.layers import Norm
+
+    slots = 128
+    qkv, cos, sin, where = _inputs(tokens, heads, kv_heads, dim, torch.bfloat16, slots)
+    qkv = qkv * 6  # rows far from unit RMS: the norm moves them
+    qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+    gen = torch.Generator().manual_seed(dim)
+    rows = 1.0 + torch.randn(heads + kv_heads, dim, generator=gen) * 0.3
+    norm = Norm(rows, 1e-6, True, torch.bfloat16, prepared=True)
+    caches = [torch.zeros(kv_heads, slots, dim, dtype=torch.bfloat16) for _ in range(4)]
+    want = cpu_kernels.rope_write_kv(
+        norm(qk.reshape(tokens, heads + kv_heads, dim)), v, cos, sin, where, *caches[:2], heads
+    )
+    got = cpu_kernels.rope_write_kv(qk, v, cos, sin, where, *caches[2:], heads, norm.weight, norm.eps)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match=r"qk_weight must be float32 \[H \+ Hkv, D\]"):
+        cpu_kernels.rope_write_kv(qk, v, cos, sin, where, *caches[2:], heads, norm.weight[1:], norm.eps)

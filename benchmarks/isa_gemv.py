@@ -9,8 +9,8 @@ figure is the median of `--reps`. Prints a table; writes benchmarks/results/isa_
 
 `--gemm`: the step's four linears over 18 layers of distinct weights (read from DRAM, as in
 serving; Gemma 3 270M's shapes) at 5-256 rows, wall clock on `--threads` (default 2), serve's
-small-batch GEMM (`gemm_bf16_rows`, avx512_bf16 only) against oneDNN's prepacked GEMM taking turns:
-where `serve.quant.NATIVE_BF16_GEMM_MAX_ROWS` comes from.
+small-batch GEMM (`gemm_bf16_rows`) against oneDNN's prepacked GEMM and, on the amx variant,
+serve's AMX tile GEMM, taking turns: where `serve.quant.NATIVE_BF16_GEMM_MAX_ROWS` comes from.
 
 Clock: `--clock cpu` (the default) times one thread's CPU time (`time.thread_time`, torch on one
 thread so every kernel runs on the calling thread): on a host shared with other work, wall time
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from serve import cpu_kernels
-from serve.quant import DenseLinear, _mkldnn_pack
+from serve.quant import BF16_PACK_BATCH_HINT, _mkldnn_pack
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (name, out_features, in_features) of Gemma 3 270M's decode-step products
@@ -72,15 +72,23 @@ def _in_isa(isa: str, fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def layer_step(rows: int, layers: int, reps: int) -> dict[str, float]:
-    """ms for `rows` activation rows through every layer's four linears, oneDNN and serve's GEMM in turns."""
-    lins = [[DenseLinear(torch.randn(n, k).bfloat16() * 0.02) for _ in range(layers)] for _, n, k in GEMMA3_270M[:4]]
+    """ms for `rows` activation rows through every layer's four linears, each contender in turn.
+
+    oneDNN's prepacked GEMM, serve's small-batch GEMM and, where the CPU runs the amx variant,
+    serve's AMX tile GEMM on its tile-ordered copy: the three ways a 5-256-row bf16 batch can go.
+    """
+    ws = [[torch.randn(n, k).bfloat16() * 0.02 for _ in range(layers)] for _, n, k in GEMMA3_270M[:4]]
     xs = [torch.randn(rows, k).bfloat16() for _, _, k in GEMMA3_270M[:4]]
-    pairs = [(x, lin) for x, ls in zip(xs, lins) for lin in ls]
+    pairs = [(x, w) for x, wl in zip(xs, ws) for w in wl]
+    packed = [_mkldnn_pack(w, batch_hint=BF16_PACK_BATCH_HINT) for _, w in pairs]
     mkldnn = torch.ops.mkldnn._linear_pointwise
-    fns = {
-        "onednn bf16": lambda: [mkldnn(x, li.packed, None, "none", [], "") for x, li in pairs],
-        "serve gemm_bf16_rows": lambda: [cpu_kernels.gemm_bf16_rows(x, li.weight) for x, li in pairs],
+    fns: dict[str, Callable[[], object]] = {
+        "onednn bf16": lambda: [mkldnn(x, p, None, "none", [], "") for (x, _), p in zip(pairs, packed)],
+        "serve gemm_bf16_rows": lambda: [cpu_kernels.gemm_bf16_rows(x, w) for x, w in pairs],
     }
+    if cpu_kernels.has_amx():
+        tiles = [cpu_kernels.amx_pack(w) for _, w in pairs]
+        fns["serve amx_linear"] = lambda: [cpu_kernels.amx_linear(x, t) for (x, _), t in zip(pairs, tiles)]
     times: dict[str, list[float]] = {c: [] for c in fns}
     for _ in range(reps):
         for c, fn in fns.items():
@@ -115,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_kernels.available():
         p.error("serve's CPU kernels are not available here (see the log line above)")
     if args.gemm:
-        if not cpu_kernels.has_bf16_dot() or cpu_kernels.isa() == "amx":
-            p.error(f"--gemm times serve's avx512_bf16 GEMM; this CPU runs {cpu_kernels.isa()}")
+        if not cpu_kernels.has_bf16_dot():
+            p.error(f"--gemm times serve's bf16 GEMMs (avx512_bf16, amx); this CPU runs {cpu_kernels.isa()}")
         rows = [int(r) for r in args.rows.split(",")] if args.rows != "1,2,4,8" else [5, 8, 16, 33, 64, 128, 256]
         threads = args.threads or 2
         return _write(

@@ -34,7 +34,9 @@ NATIVE_BF16_KERNEL_MAX_ROWS = 4
 # bf16 weights on an avx512_bf16 CPU (not amx): serve's small-batch GEMM (csrc/gemm_bf16.cpp) from
 # there up to here, oneDNN's prepacked GEMM above. Gemma 3 270M's 18 layers from DRAM on Zen 4, 2
 # threads: 8 rows 6.5 ms against 8.7, 33 rows 17.4 against 20.2, 128 rows 66.2 against 69.4, 256
-# rows 127.3 against 121.1 (`python -m benchmarks.isa_gemv --gemm`; docs/results.md)
+# rows 127.3 against 121.1 (`python -m benchmarks.isa_gemv --gemm`; docs/results.md). On an amx CPU
+# the tile GEMMs win from 5 rows (Xeon, 2 threads: 5 rows 10.0 ms against 11.4, 33 rows 13.9
+# against 38.8), so it takes none.
 NATIVE_BF16_GEMM_MAX_ROWS = 128
 # rows a bf16 weight is prepacked for. oneDNN picks the blocked layout by this hint: 1 gives a
 # GEMV layout (AB16b64a2b) that the AMX kernel runs at about half speed for 8-512 rows (the LM
@@ -278,7 +280,8 @@ class DenseLinear:
         self.kernel_max_rows = cpu_kernels.MAX_ROWS if upcast and use else 0
         if native:
             self.kernel_max_rows = NATIVE_BF16_KERNEL_MAX_ROWS
-        self.gemm_max_rows = NATIVE_BF16_GEMM_MAX_ROWS if native and self.amx is None else 0
+        # amx: its tile GEMMs (or oneDNN's, for a shape the tiles do not take) beat this one from 5 rows
+        self.gemm_max_rows = NATIVE_BF16_GEMM_MAX_ROWS if native and not cpu_kernels.has_amx() else 0
         on_cpu = weight.device.type == "cpu"
         self.f32_kernel_max_rows = F32_KERNEL_MAX_ROWS if is_f32 and on_cpu and use else 0
 

@@ -104,3 +104,14 @@ def test_dense_linear_takes_the_gemm_between_the_one_row_kernel_and_onednn() -> 
         assert bool(((got - ref).abs() <= _spacing(ref) + accumulation).all())
     with cpu_kernels.use_isa("avx2"):
         assert DenseLinear(w, b).gemm_max_rows == 0  # no bf16 dot products: oneDNN (or the float32 copy)
+
+
+@pytest.mark.skipif("amx" not in cpu_kernels.supported_isas(), reason="this CPU does not run the amx variant")
+def test_amx_keeps_tile_gemms_and_onednn_for_every_batch_past_the_one_row_kernel() -> None:
+    torch.manual_seed(2)
+    with cpu_kernels.use_isa("amx"):
+        fits, odd = DenseLinear(torch.randn(96, 640).bfloat16()), DenseLinear(torch.randn(100, 640).bfloat16())
+        assert fits.amx is not None and odd.amx is None and odd.packed is not None
+        assert fits.gemm_max_rows == odd.gemm_max_rows == 0  # tiles win from 5 rows on an amx CPU
+        x = torch.randn(33, 640).bfloat16()
+        assert torch.equal(fits(x), cpu_kernels.amx_linear(x, fits.amx))

@@ -57,10 +57,14 @@ CPP_FILES = (
     "bindings.cpp",
 )
 SOURCES = tuple(CSRC / name for name in CPP_FILES)
-HEADERS = tuple(CSRC / name for name in ("bf16.h", "norm.h", "rows.h", "vmath.h", "gemv_impl.h", "attention_avx512.h"))
+HEADERS = tuple(
+    CSRC / name
+    for name in ("amx_tiles.h", "bf16.h", "norm.h", "rows.h", "vmath.h", "gemv_impl.h", "attention_avx512.h")
+)
 MAX_ROWS = 16  # beyond this, oneDNN/MKL GEMMs and torch's int4 kernel win (they block over rows)
 BLOCK = 32  # input features per int4 block of the packed layout
 SCREEN_TILE = 32  # logit columns per tile of the batch head screen (csrc/screen_gemm.cpp, kGroupCols)
+SCREEN_AMX_K = 64  # uint8 channels per AMX tile row: the screen's main channels pad to this on AMX
 ENV_SWITCH = "WARSHA_SERVE_CPU_KERNELS"
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without the flag the kernels
 # silently run on one thread. The runtime loaded is torch's own libgomp (same soname).
@@ -504,20 +508,33 @@ def screen_quantize(x: torch.Tensor, main_features: int, tail: int) -> tuple[tor
     return u, w16, params
 
 
+def screen_on_amx() -> bool:
+    """True when the batch screen's main sums run on AMX tiles (TDPBUSD): the amx variant on a CPU
+    with AMX-INT8. The packed head then pads its main channels to a multiple of `SCREEN_AMX_K`."""
+    return has_amx() and "amx_int8" in cpu_flags()
+
+
 def screen_gemm_u8(
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scales: tuple[torch.Tensor, torch.Tensor],
     a: torch.Tensor,
     c: torch.Tensor,
     out: torch.Tensor,
+    amx: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch screen's int8 logits into out [M, V] from `screen_quantize` rows, the packed head
-    (main, tail, rowsum) and its (scale, scale_l1); returns each row's best (lower, upper) bound
-    [M, 2] under b = a * scale + c * scale_l1, and each row's largest upper bound per tile of
-    `SCREEN_TILE` columns [M, ceil(V / SCREEN_TILE)] (AVX-512 VNNI; csrc/screen_gemm.cpp)."""
+    (main, tail, rowsum, and the tail as int8 quads for AMX or empty) and its (scale, scale_l1);
+    returns each row's best (lower, upper) bound [M, 2] under b = a * scale + c * scale_l1, and
+    each row's largest upper bound per tile of
+    `SCREEN_TILE` columns [M, ceil(V / SCREEN_TILE)] (AVX-512 VNNI; csrc/screen_gemm.cpp).
+    `amx`: the sums on AMX tiles (the same integers); None takes them there where `screen_on_amx()`,
+    the main channels are a multiple of `SCREEN_AMX_K` and the int8 tail is packed."""
+    if amx is None:
+        amx = screen_on_amx() and rows[0].shape[1] % SCREEN_AMX_K == 0 and packed[3].numel() > 0
     tile_hi = torch.empty(out.shape[0], -(-out.shape[1] // SCREEN_TILE))
-    return load().screen_gemm_u8(*rows, *packed, *scales, a, c, out, tile_hi), tile_hi
+    main, tail, rowsum, tail8 = packed
+    return load().screen_gemm_u8(*rows, main, tail, rowsum, *scales, a, c, out, tile_hi, tail8, amx), tile_hi
 
 
 def screen_pairs(

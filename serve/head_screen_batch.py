@@ -18,8 +18,9 @@ the bound holds for any choice, so every row keeps its token.
 
 Candidates are each row's own (not the union over rows). A bf16 head computes them with
 `gemv_bf16_pairs`, the decode kernel's arithmetic, so a row's greedy token through this screen is
-the one a decode batch of 1-8 rows finds for it; there it runs on the avx512_bf16 variant only
-(AMX hosts run a bf16 head on tiles faster than this). A float32 head (on every VNNI variant,
+the one a decode batch of 1-8 rows finds for it; it runs on the avx512_bf16 variant,
+and on amx with AMX-INT8, whose tiles take the uint8 x int8 sums (`TDPBUSD`, 1024 products an
+instruction; the tail as its low and high bytes). A float32 head (on every VNNI variant,
 where oneDNN's float32 GEMM takes 16 products an instruction) computes them with float32 sums in
 a fixed order (`gemv_f32_pairs`). Argmax-only batches without sampled rows only. Memory: a second
 int8 copy in the packed layout (half a bf16 head, a quarter of a float32 one).
@@ -53,13 +54,24 @@ def tail_width(features: int) -> int:
 
 def applies(weight: torch.Tensor) -> bool:
     """Whether a CPU head runs through this screen on the running kernel variant: bf16 on
-    `avx512_bf16` (AMX tiles run a bf16 head faster), float32 on every VNNI variant."""
+    `avx512_bf16` and on amx with AMX-INT8 (its sums on tiles), float32 on every VNNI variant."""
     if weight.device.type != "cpu":
         return False
     isa = cpu_kernels.isa()
     if weight.dtype == torch.bfloat16:
-        return isa == "avx512_bf16"
+        return isa == "avx512_bf16" or cpu_kernels.screen_on_amx()
     return weight.dtype == torch.float32 and isa in ("avx512_vnni", "avx512_bf16", "amx")
+
+
+def _tail_quads(wide: torch.Tensor, vp: int) -> torch.Tensor:
+    """The tail weights [vp, T] (int8 values) as AMX reads them: per block of 16 rows, quads of 4
+    channels with byte 4 * lane + i = channel 4 j + i of row lane (zero channels up to whole
+    quads), then one spare KiB (a tile loads 16 quads; those past a block's meet zero activations)."""
+    quads = -(-wide.shape[1] // 4)
+    q = torch.zeros(vp, quads * 4, dtype=torch.int8)
+    q[:, : wide.shape[1]] = wide.to(torch.int8)
+    q = q.view(vp // LANES, LANES, quads, 4).transpose(1, 2).reshape(-1)
+    return torch.cat([q, torch.zeros(1024, dtype=torch.int8)])
 
 
 class BatchScreen:
@@ -69,7 +81,8 @@ class BatchScreen:
         self.weight, self.q = weight, q
         self.out_features, self.in_features = q.shape
         self.tail = tail_width(self.in_features)
-        self.main = (self.in_features - self.tail + 3) // 4 * 4  # uint8 channels, padded to quads
+        pad = cpu_kernels.SCREEN_AMX_K if cpu_kernels.screen_on_amx() else 4  # AMX tile rows, else quads
+        self.main = (self.in_features - self.tail + pad - 1) // pad * pad  # uint8 channels, zero-weight padding
         self._row_scales = (scale, scale_l1)
         self.seen = 0
         self.calls = 0  # rows this screen found the argmax of
@@ -107,8 +120,9 @@ class BatchScreen:
         main = main.view(vp // LANES, LANES, self.main // 4, 4).transpose(1, 2).reshape(vp // LANES, -1).contiguous()
         wide = torch.zeros(vp, t, dtype=torch.int16)
         wide[:v] = q[:, k - t :]
+        tail8 = _tail_quads(wide, vp) if cpu_kernels.screen_on_amx() else torch.empty(0, dtype=torch.int8)
         wide = wide.view(vp // LANES, LANES, t // 2, 2).transpose(1, 2).reshape(vp // LANES, -1).contiguous()
-        self.packed = (hugepages.place(main), wide, rowsum)
+        self.packed = (hugepages.place(main), wide, rowsum, tail8)
         scale, scale_l1 = (torch.nn.functional.pad(s, (0, vp - v)).contiguous() for s in self._row_scales)
         self.scales = (scale, scale_l1)
         self.perm = perm

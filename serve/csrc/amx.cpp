@@ -38,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "bf16.h"
 
 namespace {
@@ -55,26 +56,10 @@ constexpr int64_t kPrefetchBytes = 8192;   // how far ahead of its use a weight 
 constexpr int64_t kSlabBytes = 512 * 1024;  // activation bytes per slab of rows (a quarter of L2)
 constexpr int64_t kStreamBytes = 4 << 20;   // float32 outputs from this size go around the caches
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
-// Eight 16 x 64-byte tiles: 0-3 accumulators, 4-5 activations, 6-7 weights.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTileM;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles 0-3 hold accumulators, 4-5 activations, 6-7 weights (warsha::configure_tiles).
 
 inline void prefetch_tile(const uint16_t* tile) {
   const char* p = reinterpret_cast<const char*>(tile) + kPrefetchBytes;
@@ -141,7 +126,7 @@ void gemm_slab(const uint16_t* a, int64_t M, int64_t s0, int64_t s1, int64_t K, 
                int64_t nblocks, int64_t npairs, const float* bias, bool out_bf16, bool round_bf16, bool stream, char* out,
                int64_t ldo) {
   at::parallel_for(0, npairs, 1, [&](int64_t p0, int64_t p1) {
-    configure_tiles();
+    warsha::configure_tiles();
     alignas(64) float c[32 * 32];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nb = 2 * p;
@@ -191,6 +176,16 @@ bool amx_enable() {
     __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
     const bool tile = (edx >> 24) & 1, bf16 = (edx >> 22) & 1;
     return tile && bf16 && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// The tile state and AMX-INT8 (TDPBUSD: the head screen's uint8 x int8 sums, csrc/screen_gemm.cpp).
+bool amx_int8_enable() {
+  static const bool granted = [] {
+    unsigned eax, ebx, ecx, edx;
+    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    return ((edx >> 25) & 1) && amx_enable();
   }();
   return granted;
 }

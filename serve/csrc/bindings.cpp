@@ -31,7 +31,8 @@ std::vector<torch::Tensor> screen_quantize(const torch::Tensor& x, int64_t Km, i
 torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, const torch::Tensor& params,
                              const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
                              const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
-                             const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi);
+                             const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi, const torch::Tensor& tail8,
+                             bool amx);
 std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
                                         const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi,
                                         const torch::Tensor& tile_hi, double step, double slack, int64_t cap);

@@ -13,6 +13,13 @@
 // round(x / t2), t2 = max|x_tail| / 32767; every value moves by at most half its step.
 // Logit: y[m, v] = s_v * (t_m * (A - z_m * rowsum_v) + t2_m * B), A and B exact int32 sums
 // (|A| <= 255 * 127 * Km, |B| <= 32767 * 127 * T: below 2^31 for Km <= 66000, T <= 512).
+//
+// On AMX-INT8 (amx = true) A and B come from tiles instead (amx_groups): A by TDPBUSD on the main
+// layout read in place as weight tiles (Km a multiple of 64), B as hi * 256 + lo of the int16 tail
+// split into bytes, lo unsigned (TDPBUSD) and hi signed (TDPBSSD), against `tail8`, the tail's
+// int8 quads [Vp / 16, ceil(T / 4) * 64] plus a spare KiB. The same integers, so the same logits;
+// the epilogue (scales, bounds, tile maxima) is shared, and whole 16-lane stores of the logits
+// are streamed around the caches.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,6 +32,8 @@
 #include <limits>
 #include <mutex>
 #include <vector>
+
+#include "amx_tiles.h"
 
 namespace {
 
@@ -54,6 +63,7 @@ struct Gemm {
   float* out;             // [M, V]
   float* tile_hi;         // [M, groups]: each row's largest upper bound y + b over each tile's 32 columns
   int64_t groups;
+  bool stream;            // whole 16-column stores of `out` go around the caches (aligned rows)
 };
 
 }  // namespace
@@ -104,16 +114,35 @@ inline void accumulate(__m512i* a0, __m512i* a1, const char* w, const void* x_in
 // bounds (y -+ b) folded into lo / hi [R * 16] lanes. One-dimensional accumulator arrays, fully
 // unrolled: GCC keeps them in registers (a two-dimensional one it spilled on every product).
 // `ahead`: prefetch the next tile's weights (accumulate).
+// a0 / a1 [R] = the two blocks' sums for R rows: from `given` (rows of a [.][32] int32 array, the
+// AMX path's) or accumulated here with `dot` (accumulate's arguments).
+template <int R, typename Dot>
+inline void sums_of(__m512i* a0, __m512i* a1, const int32_t* given, const char* w, const void* x, int64_t xstride,
+                    int64_t steps, bool ahead, Dot dot) {
+  if (given) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm512_load_si512(given + r * kGroupCols);
+      a1[r] = _mm512_load_si512(given + r * kGroupCols + kLanes);
+    }
+    return;
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+  accumulate<R>(a0, a1, w, x, xstride, steps, ahead, dot);
+}
+
+// `sums`, `tail_sums`: the main and tail channels' int32 sums already computed on AMX tiles (rows R
+// of [.][32] arrays, the same exact integers), else they are summed here (vpdpbusd, vpdpwssd).
 template <int R>
-void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead) {
+void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const int32_t* sums,
+          const int32_t* tail_sums) {
   const int64_t Kq = g.Km / 4, Tp = g.T / 2;
   alignas(64) float part[2][R][kLanes];  // the main channels' share of each logit
   {
     __m512i a0[R], a1[R];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
-    accumulate<R>(a0, a1, reinterpret_cast<const char*>(g.main + b0 * Kq * 64), g.u + m0 * g.Km, g.Km, Kq, ahead,
-                  [](__m512i acc, __m512i x, __m512i w) { return vpdpbusd(acc, x, w); });
+    sums_of<R>(a0, a1, sums, reinterpret_cast<const char*>(g.main + b0 * Kq * 64), g.u + m0 * g.Km, g.Km, Kq, ahead,
+               [](__m512i acc, __m512i x, __m512i w) { return vpdpbusd(acc, x, w); });
     const int64_t col = b0 * kLanes;
     const __m512i rs0 = _mm512_loadu_si512(g.rowsum + col), rs1 = _mm512_loadu_si512(g.rowsum + col + kLanes);
     const __m512 s0 = _mm512_loadu_ps(g.scale + col), s1 = _mm512_loadu_ps(g.scale + col + kLanes);
@@ -127,10 +156,8 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
     }
   }
   __m512i a0[R], a1[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
-  accumulate<R>(a0, a1, reinterpret_cast<const char*>(g.tail + b0 * Tp * 32), g.w16 + m0 * g.T, g.T * 2, Tp, ahead,
-                [](__m512i acc, __m512i x, __m512i w) { return vpdpwssd(acc, x, w); });
+  sums_of<R>(a0, a1, tail_sums, reinterpret_cast<const char*>(g.tail + b0 * Tp * 32), g.w16 + m0 * g.T, g.T * 2, Tp, ahead,
+             [](__m512i acc, __m512i x, __m512i w) { return vpdpwssd(acc, x, w); });
   alignas(64) int32_t tails[2][R][kLanes];  // the tail channels' sums
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -150,7 +177,8 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
       const int64_t m = m0 + r;
       const __m512 t2 = _mm512_mul_ps(sv, _mm512_set1_ps(g.params[m * 3 + 1]));
       const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tails[j][r])), t2, _mm512_load_ps(part[j][r]));
-      _mm512_mask_storeu_ps(g.out + m * g.V + col, mask, y);
+      if (g.stream && mask == 0xffff) _mm512_stream_ps(g.out + m * g.V + col, y);
+      else _mm512_mask_storeu_ps(g.out + m * g.V + col, mask, y);
       const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(g.c[m]), slv, _mm512_mul_ps(_mm512_set1_ps(g.a[m]), sv));
       float* lr = lo + r * kLanes;
       float* hr = hi + r * kLanes;
@@ -163,20 +191,21 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
   for (int r = 0; r < R; ++r) g.tile_hi[(m0 + r) * g.groups + b0 / 2] = _mm512_reduce_max_ps(top[r]);
 }
 
-void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead) {
+void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const int32_t* sums,
+              const int32_t* tail_sums) {
   switch (rows) {
-    case 1: return tile<1>(g, m0, b0, lo, hi, ahead);
-    case 2: return tile<2>(g, m0, b0, lo, hi, ahead);
-    case 3: return tile<3>(g, m0, b0, lo, hi, ahead);
-    case 4: return tile<4>(g, m0, b0, lo, hi, ahead);
-    case 5: return tile<5>(g, m0, b0, lo, hi, ahead);
-    case 6: return tile<6>(g, m0, b0, lo, hi, ahead);
-    case 7: return tile<7>(g, m0, b0, lo, hi, ahead);
-    case 8: return tile<8>(g, m0, b0, lo, hi, ahead);
-    case 9: return tile<9>(g, m0, b0, lo, hi, ahead);
-    case 10: return tile<10>(g, m0, b0, lo, hi, ahead);
-    case 11: return tile<11>(g, m0, b0, lo, hi, ahead);
-    default: return tile<kRows>(g, m0, b0, lo, hi, ahead);
+    case 1: return tile<1>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 2: return tile<2>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 3: return tile<3>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 4: return tile<4>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 5: return tile<5>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 6: return tile<6>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 7: return tile<7>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 8: return tile<8>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 9: return tile<9>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 10: return tile<10>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 11: return tile<11>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    default: return tile<kRows>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
   }
 }
 
@@ -220,6 +249,112 @@ float dot_f32(const float* x, const float* w, int64_t K) {
     acc[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + k), _mm512_maskz_loadu_ps(mask, w + k), acc[j]);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")
+
+namespace {
+
+// sums [32][32] int32 = the main channels of 16 or 32 (TwoM) uint8 rows u (stride Km) by the two
+// packed blocks from w: per 64 channels one TDPBUSD per 16 x 16 block, the weights' quads read
+// as the B tile in place (block b, quads 16 kc .. 16 kc + 15 are 1 KiB at kc * 1024). `next`: the
+// following tile's weights, asked into L2 as these are used (the first row block only).
+template <bool TwoM>
+void amx_main_sums(const uint8_t* u, int64_t Km, const int8_t* w, const int8_t* next, int32_t* sums) {
+  const int64_t block = Km * kLanes;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (TwoM) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kc = 0; kc < Km / 64; ++kc) {
+    const int8_t* w0 = w + kc * 1024;
+    if (next)
+      for (int line = 0; line < 1024; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + kc * 1024 + line), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next + block + kc * 1024 + line), _MM_HINT_T1);
+      }
+    _tile_loadd(4, u + kc * 64, Km);
+    _tile_loadd(6, w0, 64);
+    _tile_loadd(7, w0 + block, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if (TwoM) {
+      _tile_loadd(5, u + 16 * Km + kc * 64, Km);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, kGroupCols * 4);
+  _tile_stored(1, sums + kLanes, kGroupCols * 4);
+  if (TwoM) {
+    _tile_stored(2, sums + 16 * kGroupCols, kGroupCols * 4);
+    _tile_stored(3, sums + 16 * kGroupCols + kLanes, kGroupCols * 4);
+  }
+}
+
+// tails [16][32] int32 += the tail channels of 16 rows by the two blocks from w: the int16 values
+// as bytes, lo (uint8, TDPBUSD) and hi (int8, TDPBSSD), so hi * 256 + lo is the vpdpwssd sum. A
+// row of lo / hi holds the tail's quads then zeros to 64 bytes, so the weight tile's quads past a
+// block's own (the next block's, or the spare KiB after the last) add nothing.
+void amx_tail_sums(const uint8_t* lo, const int8_t* hi, const int8_t* w, int64_t block, int32_t* tails) {
+  alignas(64) int32_t part[2][16 * kGroupCols];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, lo, 64);
+  _tile_loadd(5, hi, 64);
+  _tile_loadd(6, w, 64);
+  _tile_loadd(7, w + block, 64);
+  _tile_dpbusd(0, 4, 6);
+  _tile_dpbusd(1, 4, 7);
+  _tile_dpbssd(2, 5, 6);
+  _tile_dpbssd(3, 5, 7);
+  _tile_stored(0, part[0], kGroupCols * 4);
+  _tile_stored(1, part[0] + kLanes, kGroupCols * 4);
+  _tile_stored(2, part[1], kGroupCols * 4);
+  _tile_stored(3, part[1] + kLanes, kGroupCols * 4);
+  for (int i = 0; i < 16 * kGroupCols; i += kLanes)
+    _mm512_store_si512(tails + i, _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(part[1] + i), 8),
+                                                   _mm512_load_si512(part[0] + i)));
+}
+
+// Tiles [g0, g1) of every row with the sums on AMX tiles (u, lo, hi padded to whole 16-row blocks),
+// the bounds as on AVX-512: the same integers, so the same logits and bounds.
+void amx_groups(const Gemm& g, const uint8_t* u, const uint8_t* tlo, const int8_t* thi, const int8_t* tail8, int64_t tq,
+                int64_t M, int64_t g0, int64_t g1, int64_t groups, float* lo, float* hi) {
+  warsha::configure_tiles();
+  alignas(64) int32_t sums[32 * kGroupCols];
+  alignas(64) int32_t tails[32 * kGroupCols];
+  const int64_t block = g.Km * kLanes, tblock = tq * 64;
+  for (int64_t grp = g0; grp < g1; ++grp) {
+    const int8_t* w = g.main + 2 * grp * block;
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int8_t* next = m0 == 0 && grp + 1 < groups ? w + 2 * block : nullptr;
+      const bool two = m0 + 16 < M;
+      if (two) amx_main_sums<true>(u + m0 * g.Km, g.Km, w, next, sums);
+      else amx_main_sums<false>(u + m0 * g.Km, g.Km, w, next, sums);
+      for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
+        const int64_t m = m0 + 16 * h;
+        amx_tail_sums(tlo + m * 64, thi + m * 64, tail8 + 2 * grp * tblock, tblock, tails + 16 * h * kGroupCols);
+      }
+      const int64_t block_rows = std::min<int64_t>(32, M - m0);  // the rows `sums` holds
+      for (int64_t r = 0; r < block_rows; r += kRows) {
+        const int64_t m = m0 + r;
+        tile_any(static_cast<int>(std::min<int64_t>(kRows, block_rows - r)), g, m, 2 * grp, lo + m * kLanes, hi + m * kLanes,
+                 false, sums + r * kGroupCols, tails + r * kGroupCols);
+      }
+    }
+  }
+  _tile_release();
+  if (g.stream) _mm_sfence();  // the streamed logits reach memory before screen_pairs reads them
 }
 
 }  // namespace
@@ -272,9 +407,13 @@ std::vector<torch::Tensor> screen_quantize(const torch::Tensor& x_in, int64_t Km
 torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, const torch::Tensor& params,
                              const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
                              const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
-                             const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi) {
+                             const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi, const torch::Tensor& tail8,
+                             bool amx) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
               "screen_gemm_u8 needs AVX-512 VNNI");
+  TORCH_CHECK(!amx || amx_int8_enable(), "screen_gemm_u8: amx asked for, but this CPU or its OS gives no AMX-INT8 tiles");
+  TORCH_CHECK(!amx || u.size(1) % 64 == 0, "screen_gemm_u8: amx needs the main channels (", u.size(1),
+              ") padded to a multiple of 64");
   TORCH_CHECK(u.dim() == 2 && u.scalar_type() == torch::kUInt8 && u.is_contiguous(), "u must be uint8 [M, Km]");
   const int64_t M = u.size(0), Km = u.size(1), T = w16.size(1), V = out.size(1);
   TORCH_CHECK(w16.scalar_type() == torch::kInt16 && w16.is_contiguous() && w16.size(0) == M, "w16 must be int16 [M, T]");
@@ -295,15 +434,43 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
   check_f32(tile_hi, M * groups, "tile_hi");
   const Gemm g{u.data_ptr<uint8_t>(), w16.data_ptr<int16_t>(), params.data_ptr<float>(), main.data_ptr<int8_t>(),
                tail.data_ptr<int16_t>(), rowsum.data_ptr<int32_t>(), scale.data_ptr<float>(), scale_l1.data_ptr<float>(),
-               a.data_ptr<float>(), c.data_ptr<float>(), Km, T, V, out.data_ptr<float>(), tile_hi.data_ptr<float>(), groups};
+               a.data_ptr<float>(), c.data_ptr<float>(), Km, T, V, out.data_ptr<float>(), tile_hi.data_ptr<float>(), groups,
+               amx && V % kLanes == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0};
   std::vector<float> lo(M * kLanes, kNegInf), hi(M * kLanes, kNegInf);
+  // AMX reads whole 16-row blocks (the rows past M as zeros) and the tail as 64-byte rows of bytes
+  const int64_t Mp = (M + 15) / 16 * 16, tq = (T + 3) / 4;
+  std::vector<uint8_t> padded, tail_lo;
+  std::vector<int8_t> tail_hi;
+  const uint8_t* up = g.u;
+  if (amx) {
+    TORCH_CHECK(T <= 64 && tail8.scalar_type() == torch::kInt8 && tail8.is_contiguous() &&
+                    tail8.numel() == Vp / kLanes * tq * 64 + 1024,
+                "screen_gemm_u8: amx needs the tail (at most 64 channels) as int8 quads plus a spare KiB");
+    if (M % 16) {
+      padded.assign(Mp * Km, 0);
+      std::memcpy(padded.data(), g.u, M * Km);
+      up = padded.data();
+    }
+    tail_lo.assign(Mp * 64, 0);
+    tail_hi.assign(Mp * 64, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < T; ++k) {
+        const int32_t v = g.w16[m * T + k];
+        tail_lo[m * 64 + k] = static_cast<uint8_t>(v & 0xff);
+        tail_hi[m * 64 + k] = static_cast<int8_t>((v - (v & 0xff)) / 256);
+      }
+  }
   std::mutex merge;
   at::parallel_for(0, groups, 64, [&](int64_t g0, int64_t g1) {
     std::vector<float> tlo(M * kLanes, kNegInf), thi(M * kLanes, kNegInf);
-    for (int64_t grp = g0; grp < g1; ++grp)
-      for (int64_t m0 = 0; m0 < M; m0 += kRows)
-        tile_any(static_cast<int>(std::min<int64_t>(kRows, M - m0)), g, m0, grp * 2, tlo.data() + m0 * kLanes,
-                 thi.data() + m0 * kLanes, m0 == 0 && grp + 1 < groups);
+    if (amx)  // fences its streamed stores
+      amx_groups(g, up, tail_lo.data(), tail_hi.data(), tail8.data_ptr<int8_t>(), tq, M, g0, g1, groups, tlo.data(),
+                 thi.data());
+    else
+      for (int64_t grp = g0; grp < g1; ++grp)
+        for (int64_t m0 = 0; m0 < M; m0 += kRows)
+          tile_any(static_cast<int>(std::min<int64_t>(kRows, M - m0)), g, m0, grp * 2, tlo.data() + m0 * kLanes,
+                   thi.data() + m0 * kLanes, m0 == 0 && grp + 1 < groups, nullptr, nullptr);
     const std::lock_guard<std::mutex> hold(merge);
     for (int64_t i = 0; i < M * kLanes; ++i) lo[i] = std::max(lo[i], tlo[i]), hi[i] = std::max(hi[i], thi[i]);
   });

@@ -4,8 +4,8 @@ References: float64 products of the same int8 weights and rounded activations (t
 are exact integers), float64 products on the bf16 head (the bound), a brute-force loop (the
 candidates), `gemv_bf16` (the exact values, bit for bit), the whole head through its decode
 kernel (the argmax, ties and near-ties included) and the engine without the screen (greedy
-tokens). Every kernel variant the CPU runs: the batch screen where it applies (avx512_bf16),
-its absence everywhere else.
+tokens). Every kernel variant the CPU runs: the batch screen where it applies (avx512_bf16, amx
+with AMX-INT8; float32 heads on every VNNI variant), its absence everywhere else.
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ pytestmark = [
 
 
 def _runs(dtype: torch.dtype, isa: str) -> bool:
-    """Where the batch screen should run: bf16 heads on avx512_bf16, float32 on every VNNI variant."""
-    return isa == "avx512_bf16" if dtype == torch.bfloat16 else isa in ("avx512_vnni", "avx512_bf16", "amx")
+    """Where the batch screen should run: bf16 heads on avx512_bf16 and on amx with AMX-INT8 (its
+    sums on tiles), float32 on every VNNI variant."""
+    if dtype == torch.bfloat16:
+        return isa == "avx512_bf16" or (isa == "amx" and "amx_int8" in cpu_kernels.cpu_flags())
+    return isa in ("avx512_vnni", "avx512_bf16", "amx")
 
 
 def _screen(w: torch.Tensor, isa: str) -> HeadScreen:
@@ -111,6 +114,29 @@ def test_int8_logits_stay_within_the_bound_of_float64_products(isa: str, dtype: 
     bound = a.double()[:, None] * screen.scale.double() + c.double()[:, None] * screen.scale_l1.double()
     assert ((out.double() - true).abs() <= bound).all()
     assert (bound < true.abs().amax(dim=1, keepdim=True)).all()  # a bound that screens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 13, 16, 17, 33, 45, 70])
+def test_amx_main_sums_give_the_vnni_kernels_logits_and_bounds_bit_for_bit(
+    isa: str, rows: int, dtype: torch.dtype
+) -> None:
+    """On AMX-INT8 (TDPBUSD) the main sums are the same exact integers: every output equal. Row
+    counts cover one and two 16-row blocks, partial blocks and a third block."""
+    if not cpu_kernels.screen_on_amx():
+        pytest.skip(f"{isa}: the screen's main sums stay on AVX-512 VNNI (amx variant with AMX-INT8 only)")
+    w = _head(1003, 640, dtype, seed=rows)
+    screen = _screen(w, isa)
+    b = screen.batch
+    assert b is not None and b.main % cpu_kernels.SCREEN_AMX_K == 0  # 608 main channels padded to 640
+    x = _rows(rows, 640, dtype, rows, w)
+    quantized = _quantized(screen, x)
+    a, c = torch.rand(rows), torch.rand(rows)
+    got = [torch.full((rows, 1003), float("nan")) for _ in range(2)]
+    amx = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, got[0], amx=True)
+    vnni = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, got[1], amx=False)
+    assert torch.equal(got[0], got[1])
+    assert all(torch.equal(p, q) for p, q in zip(amx, vnni))  # best bounds and tile maxima
 
 
 def test_pairs_match_a_brute_force_selection(isa: str) -> None:

@@ -167,14 +167,33 @@ inline int64_t first_key(const Plan& p, int64_t b) {
   return p.window > 0 ? std::max<int64_t>(0, p.ctx[b] - p.qlen[b] - p.window + 1) : 0;
 }
 
+// Every 64-byte line of one cache row (D values) requested ahead of its use, at cache level Hint.
+template <int Hint, typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t line = 0; line < D * static_cast<int64_t>(sizeof(T)); line += 64) _mm_prefetch(p + line, static_cast<_mm_hint>(Hint));
+}
+
+// The cache slot of every key sequence b's task reads (positions key_lo .. ctx - 1) into `out`,
+// walking block by block (no division per key).
+inline void task_slots(const Plan& p, int64_t b, int64_t key_lo, std::vector<int64_t>& out) {
+  const int64_t* table = p.tables + b * p.width;
+  const int64_t n = p.ctx[b] - key_lo;
+  if (static_cast<int64_t>(out.size()) < n) out.resize(n);
+  for (int64_t j = 0, blk = key_lo / p.block_size, off = key_lo % p.block_size; j < n; ++j) {
+    out[j] = table[blk] * p.block_size + off;
+    if (++off == p.block_size) off = 0, ++blk;
+  }
+}
+
 // Everything one (sequence, KV head) task needs as scratch: the group's queries, their running
-// max / sum / accumulator, a tile of scores, the tile's cache slots and its K (then V) rows
+// max / sum / accumulator, a tile of scores, the cache slots of its keys and a tile of K (then V) rows
 // widened to float32.
 struct Scratch {
   std::vector<float> q, acc, m, l, scores, tile;
   std::vector<int64_t> slots;
   Scratch(int64_t rows, int64_t D)
-      : q(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * kTile), tile(kTile * D), slots(kTile) {}
+      : q(rows * D), acc(rows * D), m(rows), l(rows), scores(rows * kTile), tile(kTile * D) {}
 };
 
 // One (sequence, KV head) task; kc, vc are this KV head's planes of the cache ([slots, D]).
@@ -191,15 +210,17 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
   std::fill(s.acc.begin(), s.acc.begin() + rows * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
-  const int64_t* table = p.tables + b * p.width;
-  for (int64_t t0 = first_key(p, b); t0 < ctx; t0 += kTile) {
+  const int64_t key_lo = first_key(p, b);
+  task_slots(p, b, key_lo, s.slots);
+  for (int64_t t0 = key_lo; t0 < ctx; t0 += kTile) {
     const int64_t n = std::min(kTile, ctx - t0);
-    // the tile's cache slots, walking block by block (no division per key)
-    for (int64_t j = 0, blk = t0 / p.block_size, off = t0 % p.block_size; j < n; ++j) {
-      s.slots[j] = table[blk] * p.block_size + off;
-      if (++off == p.block_size) off = 0, ++blk;
+    const int64_t* slots = s.slots.data() + (t0 - key_lo);
+    const int64_t n_next = std::max<int64_t>(0, std::min(kTile, ctx - t0 - kTile));
+    for (int64_t j = 0; j < n; ++j) {  // key j widened; its value row to L1, the next tile's key j to L2
+      prefetch_row<_MM_HINT_T0>(vc + slots[j] * D, D);
+      if (j < n_next) prefetch_row<_MM_HINT_T1>(kc + slots[kTile + j] * D, D);
+      load_row<T>(kc + slots[j] * D, D, s.tile.data() + j * D);
     }
-    for (int64_t j = 0; j < n; ++j) load_row<T>(kc + s.slots[j] * D, D, s.tile.data() + j * D);
     // scores of every row against the tile's keys
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = s.q.data() + r * D;
@@ -226,7 +247,7 @@ void attend(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int64_t
       s.m[r] = m_new;
       s.l[r] += exp_shift_sum(sr, n, m_new);
     }
-    for (int64_t j = 0; j < n; ++j) load_row<T>(vc + s.slots[j] * D, D, s.tile.data() + j * D);
+    for (int64_t j = 0; j < n; ++j) load_row<T>(vc + slots[j] * D, D, s.tile.data() + j * D);
     for (int64_t j = 0; j < n; ++j) {
       const float* vr = s.tile.data() + j * D;
       for (int64_t r = 0; r < rows; ++r) {

@@ -501,6 +501,15 @@ def screen_candidates(
     return load().screen_candidates(approx, scale, scale_l1, a, c, step, slack)
 
 
+def screen_pack(
+    q: torch.Tensor, perm: torch.Tensor, main: torch.Tensor, tail_rows: torch.Tensor, rowsum: torch.Tensor
+) -> None:
+    """Fill the batch screen's layouts from a head's int8 copy q [V, K], channels in `perm`'s order
+    (main, then tail): main int8 [Vp / 16, Km * 16] packed, tail_rows int16 [Vp, T] row-major and
+    rowsum int32 [Vp] (csrc/screen_gemm.cpp; rows past V and channels past K - T zero)."""
+    load().screen_pack(q, perm, main, tail_rows, rowsum)
+
+
 def screen_quantize(x: torch.Tensor, main_features: int, tail: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 rows x [M, K] (last `tail` channels wide) as the batch screen reads them: uint8
     [M, main_features], int16 [M, tail] and float32 [M, 3] (t, t2, zero point; csrc/screen_gemm.cpp)."""

@@ -28,6 +28,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor screen_candidates(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
                                 const torch::Tensor& a, const torch::Tensor& c, double step, double slack);
 std::vector<torch::Tensor> screen_quantize(const torch::Tensor& x, int64_t Km, int64_t T);
+void screen_pack(const torch::Tensor& q, const torch::Tensor& perm, torch::Tensor main, torch::Tensor tail_rows, torch::Tensor rowsum);
 torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, const torch::Tensor& params,
                              const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
                              const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
@@ -79,6 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_act_bf16", &gated_act_bf16, "act(gate) * up of bf16 rows [T, 2I] holding gate then up; SiLU or tanh GELU");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (or first NaN), as torch.argmax(-1)");
   m.def("screen_candidates", &screen_candidates, "columns whose bounded logit can reach its row's best (serve/head_screen.py)");
+  m.def("screen_pack", &screen_pack, "the head's int8 copy in the batch screen's packed layout, in one pass");
   m.def("screen_quantize", &screen_quantize, "rows as the batch head screen reads them: uint8 main channels, int16 tail");
   m.def("screen_gemm_u8", &screen_gemm_u8, "the batch head screen's int8 logits (vpdpbusd) and each row's best bounds");
   m.def("screen_pairs", &screen_pairs, "per row, the columns whose bounded logit can reach the row's best");

@@ -370,6 +370,53 @@ void check_f32(const torch::Tensor& t, int64_t n, const char* name) {
 
 }  // namespace
 
+// The head's int8 copy q [V, K] in the layouts above, its input channels in `perm`'s order (the
+// main ones, then the T tail ones): fills main [Vp / 16, Km * 16] (channels past K - T and rows
+// past V zero), tail_rows int16 [Vp, T] (row-major; Python packs it, it is small) and rowsum
+// int32 [Vp]. One pass, each row gathered once: torch's index_select, sum and transposing copy
+// of the same took 0.8 s for Gemma 3's 168 MB head, inside the first batch step that needed it.
+void screen_pack(const torch::Tensor& q, const torch::Tensor& perm_in, torch::Tensor main, torch::Tensor tail_rows,
+                 torch::Tensor rowsum) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(), "q must be contiguous int8 [V, K]");
+  const int64_t V = q.size(0), K = q.size(1), T = tail_rows.size(1), Vp = rowsum.numel();
+  const torch::Tensor perm = perm_in.to(torch::kLong).contiguous();
+  TORCH_CHECK(perm.numel() == K && perm.min().item<int64_t>() >= 0 && perm.max().item<int64_t>() < K, "perm must order q's ", K,
+              " channels");
+  TORCH_CHECK(Vp >= V && Vp % kLanes == 0 && rowsum.scalar_type() == torch::kInt32 && rowsum.is_contiguous(),
+              "rowsum must be int32 [Vp], Vp >= V a multiple of 16");
+  TORCH_CHECK(main.scalar_type() == torch::kInt8 && main.is_contiguous() && main.dim() == 2 && main.size(0) == Vp / kLanes &&
+                  main.size(1) % (4 * kLanes) == 0 && main.size(1) / kLanes >= K - T,
+              "main must be int8 [Vp / 16, Km * 16], Km a multiple of 4 covering the main channels");
+  TORCH_CHECK(tail_rows.scalar_type() == torch::kInt16 && tail_rows.is_contiguous() && tail_rows.size(0) == Vp && T <= K,
+              "tail_rows must be int16 [Vp, T]");
+  const int64_t Km = main.size(1) / kLanes, main_k = K - T;
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const int64_t* pp = perm.data_ptr<int64_t>();
+  int8_t* mp = main.data_ptr<int8_t>();
+  int16_t* tp = tail_rows.data_ptr<int16_t>();
+  int32_t* rp = rowsum.data_ptr<int32_t>();
+  at::parallel_for(0, Vp / kLanes, 64, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> row(Km);
+    for (int64_t b = b0; b < b1; ++b) {
+      int8_t* block = mp + b * Km * kLanes;
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        const int64_t r = b * kLanes + lane;
+        std::fill(row.begin(), row.end(), 0);
+        int32_t sum = 0;
+        if (r < V) {
+          const int8_t* src = qp + r * K;
+          for (int64_t k = 0; k < main_k; ++k) sum += row[k] = src[pp[k]];
+          for (int64_t k = 0; k < T; ++k) tp[r * T + k] = src[pp[main_k + k]];
+        } else {
+          std::fill(tp + r * T, tp + (r + 1) * T, 0);
+        }
+        rp[r] = sum;
+        for (int64_t j = 0; j < Km / 4; ++j) std::memcpy(block + j * 4 * kLanes + 4 * lane, row.data() + 4 * j, 4);
+      }
+    }
+  });
+}
+
 // x float32 [M, K], its last T channels the tail: {u uint8 [M, Km], w16 int16 [M, T], params
 // float32 [M, 3] (t, t2, z)}; main channels K - T .. Km - 1 (padding) read as the zero point.
 std::vector<torch::Tensor> screen_quantize(const torch::Tensor& x_in, int64_t Km, int64_t T) {

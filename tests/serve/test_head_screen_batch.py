@@ -73,6 +73,26 @@ def test_quantized_rows_move_each_value_by_at_most_half_a_step(isa: str) -> None
     assert float(z[3]) == 0.0
 
 
+def test_packing_matches_torch_gathers_and_transposes(isa: str) -> None:
+    """`screen_pack`'s one pass against the same layouts built with torch ops (index_select, a
+    zero-padded copy, a sum and a transposing copy): 1003 rows, the tail channels scattered."""
+    screen = _screen(_head(1003, 198, torch.bfloat16, seed=5), isa)
+    b = screen.batch
+    assert b is not None and b.perm is not None
+    vp, k_main, lanes = b.packed[2].numel(), 198 - b.tail, head_screen_batch.LANES
+    q = screen.q.index_select(1, b.perm)
+    main = torch.zeros(vp, b.main, dtype=torch.int8)
+    main[:1003, :k_main] = q[:, :k_main]
+    want_main = main.view(vp // lanes, lanes, b.main // 4, 4).transpose(1, 2).reshape(vp // lanes, -1)
+    wide = torch.zeros(vp, b.tail, dtype=torch.int16)
+    wide[:1003] = q[:, k_main:]
+    want_wide = wide.view(vp // lanes, lanes, b.tail // 2, 2).transpose(1, 2).reshape(vp // lanes, -1)
+    assert not torch.equal(b.perm, torch.arange(198))  # the tail really moved channels
+    assert torch.equal(b.packed[0], want_main)
+    assert torch.equal(b.packed[1], want_wide)
+    assert torch.equal(b.packed[2], main.sum(dim=1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 30])
 def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: int, dtype: torch.dtype) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from serve import LLM, SamplingParams, cpu_kernels
 from serve.head import SlicedHead
+from serve.sampler import argmax_ids
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = (
@@ -92,7 +93,7 @@ def measure(llm: LLM, rows: torch.Tensor, sizes: list[int], reps: int) -> list[d
         if got is None:
             raise SystemExit(f"{m} rows: the batch screen did not serve them (flat rows?)")
         per_row = (screen.candidates - found) / max(screen.calls - calls, 1)
-        same = bool(torch.equal(got.argmax(-1), want))
+        same = bool(torch.equal(argmax_ids(got), want))  # the argmax itself (int64 [rows]) or logits
         ms = turns(
             {
                 "whole": partial(whole_head, target, x, whole_buf),

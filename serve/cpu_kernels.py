@@ -531,19 +531,29 @@ def screen_gemm_u8(
     c: torch.Tensor,
     out: torch.Tensor,
     amx: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    floor: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The batch screen's int8 logits into out [M, V] from `screen_quantize` rows, the packed head
     (main, tail, rowsum, and the tail as int8 quads for AMX or empty) and its (scale, scale_l1);
-    returns each row's best (lower, upper) bound [M, 2] under b = a * scale + c * scale_l1, and
-    each row's largest upper bound per tile of
-    `SCREEN_TILE` columns [M, ceil(V / SCREEN_TILE)] (AVX-512 VNNI; csrc/screen_gemm.cpp).
+    returns each row's best (lower, upper) bound [M, 2] under b = a * scale + c * scale_l1, each
+    row's largest upper bound per tile of `SCREEN_TILE` columns [M, ceil(V / SCREEN_TILE)], and
+    with `floor` which 16-column blocks hold logits (AVX-512 VNNI; csrc/screen_gemm.cpp).
     `amx`: the sums on AMX tiles (the same integers); None takes them there where `screen_on_amx()`,
-    the main channels are a multiple of `SCREEN_AMX_K` and the int8 tail is packed."""
+    the main channels are a multiple of `SCREEN_AMX_K` and the int8 tail is packed.
+    `floor` (step, slack of `screen_pairs`): sparse stores, a block of 16 logits is stored only
+    where an upper bound reaches the row's floor so far, the others keep whatever `out` held;
+    uint8 [M, 2 * tiles]: 0 left, 1 stored, 2 stored after the pass (its row's floor fell below
+    one it skipped blocks under). Hand it to `screen_pairs`, which then skips the blocks left."""
     if amx is None:
         amx = screen_on_amx() and rows[0].shape[1] % SCREEN_AMX_K == 0 and packed[3].numel() > 0
     tile_hi = torch.empty(out.shape[0], -(-out.shape[1] // SCREEN_TILE))
+    written = torch.empty(out.shape[0] * 2 * tile_hi.shape[1] if floor else 0, dtype=torch.uint8)
+    step, slack = floor or (0.0, 0.0)
     main, tail, rowsum, tail8 = packed
-    return load().screen_gemm_u8(*rows, main, tail, rowsum, *scales, a, c, out, tile_hi, tail8, amx), tile_hi
+    bounds = load().screen_gemm_u8(
+        *rows, main, tail, rowsum, *scales, a, c, out, tile_hi, tail8, amx, step, slack, written
+    )
+    return bounds, tile_hi, written.view(out.shape[0], -1) if floor else None
 
 
 def screen_pairs(
@@ -556,12 +566,16 @@ def screen_pairs(
     step: float,
     slack: float,
     cap: int,
+    written: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of approx, the columns that can hold its argmax (the floor of `screen_candidates`
     from the best bounds lohi): (rows, cols) int64 in row-major order and per-row counts, -1 for a
     row with more than `cap` (AVX-512). Tiles whose `tile_hi` (`screen_gemm_u8`'s) stays below a
-    row's floor are not read."""
-    rows, cols, counts = load().screen_pairs(approx, *scales, a, c, lohi, tile_hi, step, slack, cap)
+    row's floor are not read, nor blocks that `written` (sparse stores') says were left."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    rows, cols, counts = load().screen_pairs(
+        approx, *scales, a, c, lohi, tile_hi, step, slack, cap, empty if written is None else written
+    )
     return rows, cols, counts
 
 

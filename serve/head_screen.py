@@ -58,9 +58,10 @@ class HeadScreen:
     def screened(
         self, x: torch.Tensor, draw: GumbelDraw | None, small_rows: int, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """`logits` for decode-sized x (up to `small_rows` rows), the batch screen's for larger
-        argmax-only batches without sampled rows (into `out` when given); None where neither
-        applies (the batch screen still calibrating, a flat distribution): then the whole head."""
+        """`logits` for decode-sized x (up to `small_rows` rows); for larger argmax-only batches
+        without sampled rows, the batch screen's argmax of each row, int64 [rows] (`out` its
+        scratch when given: `BatchScreen.argmax`); None where neither applies (the batch screen
+        still calibrating, a flat distribution): then the whole head."""
         rows = x.shape[0]
         if self.batch is not None:
             self.batch.observe(x)
@@ -68,7 +69,7 @@ class HeadScreen:
             return self.logits(x, draw)
         if self.batch is None or not self.batch.ready or draw is not None:
             return None
-        got, found = self.batch.logits(x, self.bounds, BF16_STEP, 1e-6, out)
+        got, found = self.batch.argmax(x, self.bounds, BF16_STEP, 1e-6, out)
         self.calls += rows
         if got is None:
             self.flat += rows

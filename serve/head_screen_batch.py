@@ -128,27 +128,47 @@ class BatchScreen:
         self.perm = perm
         log.info("head screen: batches through uint8 x int8 (%d of %d channels int16, from %d rows)", t, k, self.seen)
 
-    def logits(
+    def candidates(
         self, x: torch.Tensor, bounds: BoundsFn, step: float, slack: float, out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor | None, int]:
-        """float32 [rows, V]: exact logits at each row's candidates, int8 ones elsewhere (their
-        argmax is the whole head's), and the candidates found; (None, -1) where some row has so
-        many (a flat distribution) that the whole head is cheaper."""
-        assert self.perm is not None, "BatchScreen.logits before calibration"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Each row's candidates and their exact logits: (rows, cols, values), cols ascending within
+        a row; None where some row has so many (a flat distribution) that the whole head is
+        cheaper, or x is not finite. `out` [rows, V] is scratch: the int8 logits go there only in
+        tiles that can hold a candidate (sparse stores: no [rows, V] write, nor a scan of one,
+        for the sampler)."""
+        assert self.perm is not None, "BatchScreen.candidates before calibration"
         rows = x.shape[0]
         quantized = cpu_kernels.screen_quantize(x.float().index_select(1, self.perm), self.main, self.tail)
         params = quantized[2]
         a, c = bounds(x, torch.maximum(params[:, 0], params[:, 1]) * 0.5)
         if not bool(torch.isfinite(a).all()):  # inf or NaN activations: the whole head says what they give
-            return None, -1
+            return None
         out = torch.empty(rows, self.out_features) if out is None else out
-        lohi, tile_hi = cpu_kernels.screen_gemm_u8(quantized, self.packed, self.scales, a, c, out)
+        lohi, tile_hi, written = cpu_kernels.screen_gemm_u8(
+            quantized, self.packed, self.scales, a, c, out, floor=(step, slack)
+        )
         cap = self.out_features // FLAT_SHARE
-        r, cols, counts = cpu_kernels.screen_pairs(out, self.scales, a, c, lohi, tile_hi, step, slack, cap)
+        r, cols, counts = cpu_kernels.screen_pairs(out, self.scales, a, c, lohi, tile_hi, step, slack, cap, written)
         if bool((counts < 0).any()):
-            return None, -1
+            return None
         pairs = cpu_kernels.gemv_bf16_pairs if self.weight.dtype == torch.bfloat16 else cpu_kernels.gemv_f32_pairs
-        exact = pairs(x.contiguous(), self.weight, r, cols)
-        out.view(-1).index_copy_(0, r * self.out_features + cols, exact)
+        return r, cols, pairs(x.contiguous(), self.weight, r, cols)
+
+    def argmax(
+        self, x: torch.Tensor, bounds: BoundsFn, step: float, slack: float, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, int]:
+        """int64 [rows]: each row's argmax over the whole head (its first maximum, as
+        `torch.argmax`), and the candidates found; (None, -1) where `candidates` gives none or an
+        exact value is NaN (the whole head then says which index wins)."""
+        found = self.candidates(x, bounds, step, slack, out)
+        if found is None:
+            return None, -1
+        r, cols, exact = found
+        rows = x.shape[0]
+        best = torch.full((rows,), float("-inf")).scatter_reduce_(0, r, exact, "amax")
+        top = exact == best[r]  # a NaN equals nothing: its row keeps the sentinel
+        ids = torch.full((rows,), self.out_features, dtype=torch.long).scatter_reduce_(0, r[top], cols[top], "amin")
+        if bool((ids == self.out_features).any()):
+            return None, -1
         self.calls += rows
-        return out, cols.numel()
+        return ids, cols.numel()

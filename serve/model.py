@@ -227,13 +227,15 @@ class DecoderModel:
         argmax_only: bool = False,
         draw: GumbelDraw | None = None,
     ) -> torch.Tensor:
-        """Write the batch's K/V into `kv` and return float32 logits [len(logits_indices), V].
+        """Write the batch's K/V into `kv` and return float32 logits [len(logits_indices), V] (or,
+        for some `argmax_only` batches, each row's argmax as int64 [rows]: see below).
 
         float32 also because argmax over bf16 takes a slow path on CPU (3x the upcast + argmax).
         `reuse_logits`: the logits may live in this model's buffer, overwritten by its next
         forward (the engine's step loop, which consumes them first; `serve.head`). `argmax_only`:
         the caller reads only each row's argmax (greedy requests without penalties or logprobs), so
-        a screened head may leave the other logits approximate (`serve.head_screen`); with `draw`
+        a screened head may leave the other logits approximate, or return the argmax itself
+        (`serve.head_screen`; `serve.sampler.argmax_ids` takes either); with `draw`
         every row is perturbed into scores whose argmax is its token (`GumbelDraw`). A decode batch
         goes through `decode_graph` where one is installed (CUDA graphs, `serve.decode_graphs`).
         """
@@ -300,7 +302,7 @@ class DecoderModel:
         if argmax_only and self.screen is not None and self.screen.pays:
             screened = self.screen.screened(x, draw, self.screen_rows, buffer)
             if screened is not None:
-                return screened  # exact at the argmax, int8 elsewhere; no soft-cap here
+                return screened  # exact at the argmax, int8 elsewhere, or the argmax; no soft-cap here
         if isinstance(self.head, SlicedHead):
             logits = self.head(x, buffer)
         else:

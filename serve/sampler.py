@@ -112,12 +112,16 @@ class SamplingParams:
 
 
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, -1) for [rows, V] logits; float32 CPU rows take serve's kernel.
+    """torch.argmax(logits, -1) for [rows, V] logits; float32 CPU rows take serve's kernel. An
+    argmax-only forward may hand over each row's argmax already, int64 [rows] (the batch head
+    screen, `serve.head_screen`): that is returned as it is.
 
     Why: greedy decoding reads every logit once, and torch's CPU argmax ran at about 4 GB/s
     (12 ms for 40 rows of a 278k vocabulary); the kernel gives the same index (first maximum,
     first NaN) at memory speed.
     """
+    if logits.dim() == 1 and logits.dtype == torch.long:
+        return logits
     if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and cpu_kernels.available():
         return cpu_kernels.argmax_rows(logits)
     return logits.argmax(-1)

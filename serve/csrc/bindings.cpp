@@ -33,10 +33,11 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
                              const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
                              const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
                              const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi, const torch::Tensor& tail8,
-                             bool amx);
+                             bool amx, double step, double slack, torch::Tensor written);
 std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
                                         const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi,
-                                        const torch::Tensor& tile_hi, double step, double slack, int64_t cap);
+                                        const torch::Tensor& tile_hi, double step, double slack, int64_t cap,
+                                        const torch::Tensor& written);
 void gemv_f32_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,
                     torch::Tensor out);
 void gemv_bf16_pairs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& rows, const torch::Tensor& cols,

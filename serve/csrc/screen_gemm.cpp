@@ -35,6 +35,8 @@
 
 #include "amx_tiles.h"
 
+float screen_floor(float lo, float hi, double step, double slack);  // screen.cpp
+
 namespace {
 
 constexpr int kLanes = 16;
@@ -64,6 +66,8 @@ struct Gemm {
   float* tile_hi;         // [M, groups]: each row's largest upper bound y + b over each tile's 32 columns
   int64_t groups;
   bool stream;            // whole 16-column stores of `out` go around the caches (aligned rows)
+  uint8_t* written;       // [M, 2 * groups] or nullptr: sparse stores, which 16-column blocks hold logits
+  float step, slack;      // the floor's terms (screen_floor), for sparse stores
 };
 
 }  // namespace
@@ -134,9 +138,11 @@ inline void sums_of(__m512i* a0, __m512i* a1, const int32_t* given, const char* 
 
 // `sums`, `tail_sums`: the main and tail channels' int32 sums already computed on AMX tiles (rows R
 // of [.][32] arrays, the same exact integers), else they are summed here (vpdpbusd, vpdpwssd).
+// `floors` (per row, or nullptr: every tile stored): a row's 16 logits of a column block are
+// stored only where one of their upper bounds reaches the row's floor (g.written says which).
 template <int R>
 void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const int32_t* sums,
-          const int32_t* tail_sums) {
+          const int32_t* tail_sums, const float* floors) {
   const int64_t Kq = g.Km / 4, Tp = g.T / 2;
   alignas(64) float part[2][R][kLanes];  // the main channels' share of each logit
   {
@@ -165,6 +171,8 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
     _mm512_store_si512(tails[1][r], a1[r]);
   }
   __m512 top[R];  // per row, the tile's upper bounds folded lane-wise
+  if (g.written != nullptr)  // 1: stored (or past V), 0: left as it was
+    for (int r = 0; r < R; ++r) g.written[(m0 + r) * 2 * g.groups + b0] = g.written[(m0 + r) * 2 * g.groups + b0 + 1] = 1;
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) top[r] = _mm512_set1_ps(kNegInf);
   for (int j = 0; j < 2; ++j) {
@@ -177,13 +185,17 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
       const int64_t m = m0 + r;
       const __m512 t2 = _mm512_mul_ps(sv, _mm512_set1_ps(g.params[m * 3 + 1]));
       const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tails[j][r])), t2, _mm512_load_ps(part[j][r]));
-      if (g.stream && mask == 0xffff) _mm512_stream_ps(g.out + m * g.V + col, y);
-      else _mm512_mask_storeu_ps(g.out + m * g.V + col, mask, y);
       const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(g.c[m]), slv, _mm512_mul_ps(_mm512_set1_ps(g.a[m]), sv));
+      const __m512 up = _mm512_add_ps(y, b);
+      if (floors == nullptr || _mm512_mask_cmp_ps_mask(mask, up, _mm512_set1_ps(floors[m]), _CMP_GE_OQ)) {
+        if (g.stream && mask == 0xffff) _mm512_stream_ps(g.out + m * g.V + col, y);
+        else _mm512_mask_storeu_ps(g.out + m * g.V + col, mask, y);
+      } else {
+        g.written[m * 2 * g.groups + b0 + j] = 0;
+      }
       float* lr = lo + r * kLanes;
       float* hr = hi + r * kLanes;
       _mm512_storeu_ps(lr, _mm512_mask_max_ps(_mm512_loadu_ps(lr), mask, _mm512_loadu_ps(lr), _mm512_sub_ps(y, b)));
-      const __m512 up = _mm512_add_ps(y, b);
       _mm512_storeu_ps(hr, _mm512_mask_max_ps(_mm512_loadu_ps(hr), mask, _mm512_loadu_ps(hr), up));
       top[r] = _mm512_mask_max_ps(top[r], mask, top[r], up);
     }
@@ -192,21 +204,58 @@ void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahea
 }
 
 void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const int32_t* sums,
-              const int32_t* tail_sums) {
+              const int32_t* tail_sums, const float* floors) {
   switch (rows) {
-    case 1: return tile<1>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 2: return tile<2>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 3: return tile<3>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 4: return tile<4>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 5: return tile<5>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 6: return tile<6>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 7: return tile<7>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 8: return tile<8>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 9: return tile<9>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 10: return tile<10>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    case 11: return tile<11>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
-    default: return tile<kRows>(g, m0, b0, lo, hi, ahead, sums, tail_sums);
+    case 1: return tile<1>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 2: return tile<2>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 3: return tile<3>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 4: return tile<4>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 5: return tile<5>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 6: return tile<6>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 7: return tile<7>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 8: return tile<8>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 9: return tile<9>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 10: return tile<10>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 11: return tile<11>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    default: return tile<kRows>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
   }
+}
+
+// Sparse stores: each row's floor so far, from the best bounds this thread has seen (lane maxima
+// lo / hi [M * 16]), refreshed every kRefresh tiles; floors[M + m] keeps the highest one used. A
+// block skipped under a floor at or below the final one (every thread's bounds) holds no
+// candidate. The final floor can lie lower (a larger |upper bound| later widens its margin):
+// `refill` then computes that row's skipped blocks the final floor may reach.
+constexpr int64_t kRefresh = 16;
+void refresh_floors(const Gemm& g, int64_t M, const float* lo, const float* hi, float* floors) {
+  for (int64_t m = 0; m < M; ++m) {
+    floors[m] = screen_floor(_mm512_reduce_max_ps(_mm512_loadu_ps(lo + m * kLanes)),
+                             _mm512_reduce_max_ps(_mm512_loadu_ps(hi + m * kLanes)), g.step, g.slack);
+    floors[M + m] = std::max(floors[M + m], floors[m]);
+  }
+}
+
+// Sparse stores, after the pass: for each row whose floor fell below one it skipped blocks under
+// (`used`, per row), the tiles with a skipped block that the final floor (from the row's best
+// bounds bp [M, 2]) may reach, computed again by the VNNI kernel (the same integers and epilogue,
+// so the same logits as the AMX path's) and stored; their blocks marked 2 in g.written.
+void refill(const Gemm& g, int64_t M, const float* bp, const float* used) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    alignas(64) float lo[kLanes], hi[kLanes];  // bounds already known: discarded
+    std::fill(lo, lo + kLanes, kNegInf);
+    std::fill(hi, hi + kLanes, kNegInf);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float floor = screen_floor(bp[2 * m], bp[2 * m + 1], g.step, g.slack);
+      if (!(used[m] > floor)) continue;
+      uint8_t* w = g.written + m * 2 * g.groups;
+      for (int64_t grp = 0; grp < g.groups; ++grp) {
+        if ((w[2 * grp] && w[2 * grp + 1]) || g.tile_hi[m * g.groups + grp] < floor) continue;
+        tile_any(1, g, m, 2 * grp, lo, hi, false, nullptr, nullptr, nullptr);
+        w[2 * grp] = w[2 * grp + 1] = 2;
+      }
+    }
+  });
+  if (g.stream) _mm_sfence();
 }
 
 // The columns of one row of logits whose upper bound reaches `floor`, ascending, appended to
@@ -215,7 +264,7 @@ void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float*
 // are skipped unread: at 33 rows the pass read 35 MB of logits for about 30 candidates a row.
 // A NaN maximum compares false, so its tile is read.
 bool row_candidates(const float* y, const float* s, const float* sl, float a, float c, float floor, int64_t V, int64_t cap,
-                    const float* tile_hi, std::vector<int64_t>& cols) {
+                    const float* tile_hi, const uint8_t* written, std::vector<int64_t>& cols) {
   const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(c), vf = _mm512_set1_ps(floor);
   const size_t start = cols.size();
   for (int64_t v = 0; v < V; v += kLanes) {
@@ -223,6 +272,7 @@ bool row_candidates(const float* y, const float* s, const float* sl, float a, fl
       v += kGroupCols - kLanes;
       continue;
     }
+    if (written != nullptr && !written[v / kLanes]) continue;  // sparse stores left it: no candidate there
     const int64_t left = V - v;
     const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
     const __m512 b = _mm512_fmadd_ps(vc, _mm512_maskz_loadu_ps(mask, sl + v), _mm512_mul_ps(va, _mm512_maskz_loadu_ps(mask, s + v)));
@@ -329,12 +379,13 @@ void amx_tail_sums(const uint8_t* lo, const int8_t* hi, const int8_t* w, int64_t
 // Tiles [g0, g1) of every row with the sums on AMX tiles (u, lo, hi padded to whole 16-row blocks),
 // the bounds as on AVX-512: the same integers, so the same logits and bounds.
 void amx_groups(const Gemm& g, const uint8_t* u, const uint8_t* tlo, const int8_t* thi, const int8_t* tail8, int64_t tq,
-                int64_t M, int64_t g0, int64_t g1, int64_t groups, float* lo, float* hi) {
+                int64_t M, int64_t g0, int64_t g1, int64_t groups, float* lo, float* hi, float* floors) {
   warsha::configure_tiles();
   alignas(64) int32_t sums[32 * kGroupCols];
   alignas(64) int32_t tails[32 * kGroupCols];
   const int64_t block = g.Km * kLanes, tblock = tq * 64;
   for (int64_t grp = g0; grp < g1; ++grp) {
+    if (floors != nullptr && (grp - g0) % kRefresh == 0) refresh_floors(g, M, lo, hi, floors);
     const int8_t* w = g.main + 2 * grp * block;
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
       const int8_t* next = m0 == 0 && grp + 1 < groups ? w + 2 * block : nullptr;
@@ -349,7 +400,7 @@ void amx_groups(const Gemm& g, const uint8_t* u, const uint8_t* tlo, const int8_
       for (int64_t r = 0; r < block_rows; r += kRows) {
         const int64_t m = m0 + r;
         tile_any(static_cast<int>(std::min<int64_t>(kRows, block_rows - r)), g, m, 2 * grp, lo + m * kLanes, hi + m * kLanes,
-                 false, sums + r * kGroupCols, tails + r * kGroupCols);
+                 false, sums + r * kGroupCols, tails + r * kGroupCols, floors);
       }
     }
   }
@@ -455,7 +506,7 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
                              const torch::Tensor& main, const torch::Tensor& tail, const torch::Tensor& rowsum,
                              const torch::Tensor& scale, const torch::Tensor& scale_l1, const torch::Tensor& a,
                              const torch::Tensor& c, torch::Tensor out, torch::Tensor tile_hi, const torch::Tensor& tail8,
-                             bool amx) {
+                             bool amx, double step, double slack, torch::Tensor written) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw"),
               "screen_gemm_u8 needs AVX-512 VNNI");
   TORCH_CHECK(!amx || amx_int8_enable(), "screen_gemm_u8: amx asked for, but this CPU or its OS gives no AMX-INT8 tiles");
@@ -479,10 +530,15 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
               "out must be contiguous float32 [M, V]");
   const int64_t groups = (V + kGroupCols - 1) / kGroupCols;
   check_f32(tile_hi, M * groups, "tile_hi");
+  const bool sparse = written.numel() > 0;
+  TORCH_CHECK(!sparse || (written.scalar_type() == torch::kUInt8 && written.is_contiguous() && written.numel() == M * 2 * groups),
+              "written must be uint8 [M, 2 * ceil(V / 32)] (sparse stores) or empty");
+  std::vector<float> used(M, kNegInf);  // sparse: each row's highest floor any thread skipped under
   const Gemm g{u.data_ptr<uint8_t>(), w16.data_ptr<int16_t>(), params.data_ptr<float>(), main.data_ptr<int8_t>(),
                tail.data_ptr<int16_t>(), rowsum.data_ptr<int32_t>(), scale.data_ptr<float>(), scale_l1.data_ptr<float>(),
                a.data_ptr<float>(), c.data_ptr<float>(), Km, T, V, out.data_ptr<float>(), tile_hi.data_ptr<float>(), groups,
-               amx && V % kLanes == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0};
+               amx && V % kLanes == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0,
+               sparse ? written.data_ptr<uint8_t>() : nullptr, static_cast<float>(step), static_cast<float>(slack)};
   std::vector<float> lo(M * kLanes, kNegInf), hi(M * kLanes, kNegInf);
   // AMX reads whole 16-row blocks (the rows past M as zeros) and the tail as 64-byte rows of bytes
   const int64_t Mp = (M + 15) / 16 * 16, tq = (T + 3) / 4;
@@ -509,17 +565,22 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
   }
   std::mutex merge;
   at::parallel_for(0, groups, 64, [&](int64_t g0, int64_t g1) {
-    std::vector<float> tlo(M * kLanes, kNegInf), thi(M * kLanes, kNegInf);
+    std::vector<float> tlo(M * kLanes, kNegInf), thi(M * kLanes, kNegInf), floors(sparse ? 2 * M : 0, kNegInf);
+    float* fl = sparse ? floors.data() : nullptr;
     if (amx)  // fences its streamed stores
       amx_groups(g, up, tail_lo.data(), tail_hi.data(), tail8.data_ptr<int8_t>(), tq, M, g0, g1, groups, tlo.data(),
-                 thi.data());
+                 thi.data(), fl);
     else
-      for (int64_t grp = g0; grp < g1; ++grp)
+      for (int64_t grp = g0; grp < g1; ++grp) {
+        if (fl != nullptr && (grp - g0) % kRefresh == 0) refresh_floors(g, M, tlo.data(), thi.data(), fl);
         for (int64_t m0 = 0; m0 < M; m0 += kRows)
           tile_any(static_cast<int>(std::min<int64_t>(kRows, M - m0)), g, m0, grp * 2, tlo.data() + m0 * kLanes,
-                   thi.data() + m0 * kLanes, m0 == 0 && grp + 1 < groups, nullptr, nullptr);
+                   thi.data() + m0 * kLanes, m0 == 0 && grp + 1 < groups, nullptr, nullptr, fl);
+      }
     const std::lock_guard<std::mutex> hold(merge);
     for (int64_t i = 0; i < M * kLanes; ++i) lo[i] = std::max(lo[i], tlo[i]), hi[i] = std::max(hi[i], thi[i]);
+    if (sparse)
+      for (int64_t m = 0; m < M; ++m) used[m] = std::max(used[m], floors[M + m]);
   });
   torch::Tensor bounds = torch::empty({M, 2}, torch::kFloat32);
   float* bp = bounds.data_ptr<float>();
@@ -527,10 +588,9 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
     bp[m * 2] = *std::max_element(lo.begin() + m * kLanes, lo.begin() + (m + 1) * kLanes);
     bp[m * 2 + 1] = *std::max_element(hi.begin() + m * kLanes, hi.begin() + (m + 1) * kLanes);
   }
+  if (sparse) refill(g, M, bp, used.data());
   return bounds;
 }
-
-float screen_floor(float lo, float hi, double step, double slack);  // screen.cpp
 
 // Per row m of approx [M, V], the columns whose upper bound approx + a*scale + c*scale_l1 reaches
 // the row's floor (screen_floor of its best bounds lohi [M, 2], as screen_candidates): {rows
@@ -538,7 +598,8 @@ float screen_floor(float lo, float hi, double step, double slack);  // screen.cp
 // more than `cap` (its columns then left out).
 std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch::Tensor& scale, const torch::Tensor& scale_l1,
                                         const torch::Tensor& a, const torch::Tensor& c, const torch::Tensor& lohi,
-                                        const torch::Tensor& tile_hi, double step, double slack, int64_t cap) {
+                                        const torch::Tensor& tile_hi, double step, double slack, int64_t cap,
+                                        const torch::Tensor& written) {
   TORCH_CHECK(__builtin_cpu_supports("avx512f"), "screen_pairs needs AVX-512");
   TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == torch::kFloat32 && approx.is_contiguous(), "approx must be float32 [M, V]");
   const int64_t M = approx.size(0), V = approx.size(1);
@@ -549,6 +610,10 @@ std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch
   const int64_t groups = (V + kGroupCols - 1) / kGroupCols;
   check_f32(tile_hi, M * groups, "tile_hi");
   const float* th = tile_hi.data_ptr<float>();
+  const bool sparse = written.numel() > 0;
+  TORCH_CHECK(!sparse || (written.scalar_type() == torch::kUInt8 && written.is_contiguous() && written.numel() == M * 2 * groups),
+              "written must be screen_gemm_u8's uint8 [M, 2 * groups] or empty");
+  const uint8_t* wp = sparse ? written.data_ptr<uint8_t>() : nullptr;
   std::vector<std::vector<int64_t>> per(M);
   std::vector<int64_t> counts(M);
   const float *y = approx.data_ptr<float>(), *s = scale.data_ptr<float>(), *sl = scale_l1.data_ptr<float>();
@@ -556,7 +621,8 @@ std::vector<torch::Tensor> screen_pairs(const torch::Tensor& approx, const torch
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float floor = screen_floor(pb[2 * m], pb[2 * m + 1], step, slack);
-      const bool ok = row_candidates(y + m * V, s, sl, pa[m], pc[m], floor, V, cap, th + m * groups, per[m]);
+      const bool ok =
+          row_candidates(y + m * V, s, sl, pa[m], pc[m], floor, V, cap, th + m * groups, sparse ? wp + m * 2 * groups : nullptr, per[m]);
       counts[m] = ok ? static_cast<int64_t>(per[m].size()) : -1;
       if (!ok) per[m].clear();
     }

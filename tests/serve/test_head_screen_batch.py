@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from serve import LLM, SamplingParams, cpu_kernels, head_screen_batch
-from serve.head_screen import HeadScreen
+from serve.head_screen import BF16_STEP, HeadScreen
 from serve.sampler import GumbelDraw
 from tests.serve.conftest import make_model
 from tests.serve.test_head_screen import _head, _rows
@@ -104,7 +104,7 @@ def test_int8_logits_are_float64_products_of_the_rounded_rows(isa: str, rows: in
     u, w16, params = quantized = _quantized(screen, x)
     a, c = torch.rand(rows), torch.rand(rows)
     out = torch.empty(rows, 1003)
-    lohi, tile_hi = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, out)
+    lohi, tile_hi, _ = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, out)
     q = screen.q.index_select(1, b.perm).double()
     k_main = 198 - b.tail
     t, t2, z = (params[:, i].double()[:, None] for i in range(3))
@@ -156,7 +156,45 @@ def test_amx_main_sums_give_the_vnni_kernels_logits_and_bounds_bit_for_bit(
     amx = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, got[0], amx=True)
     vnni = cpu_kernels.screen_gemm_u8(quantized, b.packed, b.scales, a, c, got[1], amx=False)
     assert torch.equal(got[0], got[1])
-    assert all(torch.equal(p, q) for p, q in zip(amx, vnni))  # best bounds and tile maxima
+    assert all(torch.equal(p, q) for p, q in zip(amx[:2], vnni[:2]))  # best bounds and tile maxima
+
+
+@pytest.mark.parametrize("widen", [False, True])
+@pytest.mark.parametrize("rows", [5, 33])
+def test_sparse_stores_give_screen_pairs_the_dense_candidates(isa: str, rows: int, widen: bool) -> None:
+    """With `floor`, blocks below a row's floor are not stored: `screen_pairs`, told which were,
+    must find the same candidates and values as after dense stores, every kernel path (AMX where
+    it runs). `widen`: the last column's bound made huge, so its row's final floor falls far below
+    what the thread that never saw it skipped blocks under; those are computed again."""
+    w = _head(6000, 640, torch.bfloat16, seed=rows)
+    screen = _screen(w, isa)
+    b = screen.batch
+    assert b is not None
+    x = _rows(rows, 640, torch.bfloat16, rows, w)
+    quantized = _quantized(screen, x)
+    a, c = screen.bounds(x, torch.maximum(quantized[2][:, 0], quantized[2][:, 1]) * 0.5)
+    scales = (b.scales[0], b.scales[1].clone())
+    if widen:
+        scales[1][5999] *= 1e6
+    paths = [False, True] if cpu_kernels.screen_on_amx() else [False]
+    for amx in paths:
+        dense, sparse = torch.full((rows, 6000), float("nan")), torch.full((rows, 6000), float("nan"))
+        want = cpu_kernels.screen_gemm_u8(quantized, b.packed, scales, a, c, dense, amx=amx)
+        got = cpu_kernels.screen_gemm_u8(quantized, b.packed, scales, a, c, sparse, amx=amx, floor=(BF16_STEP, 1e-6))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # best bounds, tile maxima
+        written = got[2]
+        assert written is not None and want[2] is None and written.shape == (rows, 2 * got[1].shape[1])
+        left = written.repeat_interleave(16, dim=1)[:, :6000] == 0
+        assert torch.equal(left, sparse.isnan())  # the blocks it says it left are the ones left
+        assert bool((written == 2).any()) == widen  # refilled only where the floor fell
+        assert widen or bool(left.any())
+        pairs = [
+            cpu_kernels.screen_pairs(o, scales, a, c, got[0], got[1], BF16_STEP, 1e-6, 6000, k)
+            for o, k in ((dense, None), (sparse, written))
+        ]
+        assert all(torch.equal(p, q) for p, q in zip(*pairs))
+        r, cols, _ = pairs[1]
+        assert torch.equal(sparse[r, cols], dense[r, cols])
 
 
 def test_pairs_match_a_brute_force_selection(isa: str) -> None:
@@ -226,24 +264,31 @@ def _whole(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_batch_argmax_is_the_whole_heads_and_candidates_are_exact(isa: str, rows: int, dtype: torch.dtype) -> None:
     w = _head(3000, 96, dtype, seed=rows)
     screen = _screen(w, isa)
+    assert screen.batch is not None
     for seed in range(4):
         x = _rows(rows, 96, dtype, seed, w)
         whole = _whole(x, w)
+        best = whole.argmax(-1)
         got = screen.screened(x, None, small_rows=8)
-        assert got is not None
-        best = whole.argmax(-1, keepdim=True)
+        assert got is not None and got.dtype == torch.long and got.shape == (rows,)
         if dtype == torch.bfloat16:
-            assert torch.equal(got.argmax(-1), whole.argmax(-1))
-            hit = got == whole
+            assert torch.equal(got, best)
         else:  # float32 sums against float64: the chosen row is the best up to their rounding
-            chosen = whole.gather(1, got.argmax(-1, keepdim=True))
-            assert ((whole.gather(1, best) - chosen) <= 1e-5 * whole.abs().amax(1, keepdim=True)).all()
-            hit = (got - whole).abs() <= 1e-5 * whole.abs().amax(1, keepdim=True)
-        assert hit.gather(1, best).all()  # the winner computed exactly
-        assert hit.sum() < rows * 3000  # it screened something out
+            chosen = whole.gather(1, got[:, None])[:, 0]
+            assert ((whole.gather(1, best[:, None])[:, 0] - chosen) <= 1e-5 * whole.abs().amax(1)).all()
+        found = screen.batch.candidates(x, screen.bounds, BF16_STEP, 1e-6, torch.full((rows, 3000), float("nan")))
+        assert found is not None
+        r, cols, exact = found
+        want = whole[r, cols]
+        assert (
+            torch.equal(exact, want) if dtype == torch.bfloat16 else torch.allclose(exact, want, rtol=1e-5, atol=1e-5)
+        )
+        assert all(int(best[m]) in cols[r == m].tolist() for m in range(rows))  # the winner is a candidate
+        assert all(bool((cols[r == m].diff() > 0).all()) for m in range(rows))  # ascending within a row
+        assert cols.numel() < rows * 3000  # it screened something out
     x = _rows(rows, 96, dtype, 0, w)
-    assert int(screen.screened(x, None, small_rows=8)[0].argmax()) == 10  # type: ignore[index]  # first of the ties
-    assert screen.batch is not None and screen.batch.calls == 5 * rows
+    assert int(screen.screened(x, None, small_rows=8)[0]) == 10  # type: ignore[index]  # first of the ties
+    assert screen.batch.calls == 5 * rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

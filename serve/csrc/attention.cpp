@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "bf16.h"
 #include "vmath.h"
 
@@ -317,11 +318,14 @@ namespace isa_avx512 {
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
+// AMX-BF16 in the target too: attention_amx.h (the amx variant's prefill pieces) reuses this copy's
+// softmax; nothing here issues a tile instruction unless paged_attention picks that path.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 namespace isa_avx512_bf16 {
 #define WARSHA_BF16DOT 1
 #include "attention_avx512.h"
+#include "attention_amx.h"
 #undef WARSHA_BF16DOT
 }  // namespace isa_avx512_bf16
 #pragma GCC pop_options
@@ -367,7 +371,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   const std::string isa = chosen == "amx" ? "avx512_bf16" : chosen;  // amx: the avx512_bf16 kernels beside its tiles
   const bool wide = isa.rfind("avx512", 0) == 0 && D % 64 == 0;
   const bool f32 = q.scalar_type() == torch::kFloat32;
-  if (wide && isa == "avx512_bf16")
+  if (wide && !f32 && chosen == "amx" && amx_enable())  // prefill pieces on tiles, decode rows as avx512_bf16
+    isa_avx512_bf16::run_all_amx(plan, q, k_cache, v_cache, out, B);
+  else if (wide && isa == "avx512_bf16")
     f32 ? isa_avx512_bf16::run_all512<float>(plan, q, k_cache, v_cache, out, B)
         : isa_avx512_bf16::run_all512<uint16_t>(plan, q, k_cache, v_cache, out, B);
   else if (wide)

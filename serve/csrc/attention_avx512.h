@@ -107,6 +107,24 @@ inline float exp_shift_sum16(float* s, int64_t n, float m) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// One row's online-softmax step over a tile's n scores sr (keys t0 ..): masked to the row's view
+// [lo, hi] (-inf outside, then 0), exponentiated in place against the running max m, the running
+// sum l updated; returns the factor the row's accumulator must be scaled by (1 when nothing in the
+// tile was visible, 0 on the first tile that was).
+inline float softmax_step(float* sr, int64_t n, int64_t t0, int64_t lo, int64_t hi, float& m, float& l) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float tile_max = mask_max16(sr, n, t0, lo, hi);
+  if (tile_max == neg_inf) {
+    std::fill(sr, sr + n, 0.f);
+    return 1.f;
+  }
+  const float m_new = std::max(m, tile_max);
+  const float rescale = m == neg_inf ? 0.f : std::exp(m - m_new);
+  m = m_new;
+  l = l * rescale + exp_shift_sum16(sr, n, m_new);
+  return rescale;
+}
+
 // acc[r][f0 : f0 + 64] = acc * rescale[r] + sum_j p[r][j] v[j][f0 : f0 + 64] for rows r0..r0+nr.
 template <typename T, int NR>
 inline void value_block(const T* vc, const int64_t* slots, int64_t n, int64_t D, int64_t f0, const float* p, const float* rescale,
@@ -269,19 +287,9 @@ void attend512(const Plan& p, const T* q, const T* kc, const T* vc, T* out, int6
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = s.scores.data() + r * kTile512;
       const int64_t qpos = first_pos + r / G;
-      const int64_t lo = p.window > 0 ? qpos - p.window + 1 : 0;
-      const float tile_max = mask_max16(sr, n, t0, lo, qpos);  // -inf outside the row's causal window
-      if (tile_max == neg_inf) {  // nothing visible to this row in this tile
-        std::fill(sr, sr + n, 0.f);
-        s.rescale[r] = 1.f;
-        continue;
-      }
-      const float m_new = std::max(s.m[r], tile_max);
-      s.rescale[r] = s.m[r] == neg_inf ? 0.f : std::exp(s.m[r] - m_new);
-      s.m[r] = m_new;
-      s.l[r] = s.l[r] * s.rescale[r] + exp_shift_sum16(sr, n, m_new);
+      const int64_t lo = p.window > 0 ? qpos - p.window + 1 : 0;  // the row's view: [lo, qpos]
+      s.rescale[r] = softmax_step(s.scores.data() + r * kTile512, n, t0, lo, qpos, s.m[r], s.l[r]);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t nr = std::min<int64_t>(kRowBlock, rows - r0);

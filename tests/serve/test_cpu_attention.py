@@ -7,7 +7,9 @@ handed-back table entries point at it, so any read outside a row's visible keys 
 output. Shapes cover GQA ratios 1-8, head sizes 16-256, contexts across the kernel's 64-key
 tiles, query chunks of 1-16 tokens, bf16 and float32, and 1 or 2 threads. Every test runs once per
 kernel variant this CPU runs (the AVX2 algorithm, and on AVX-512 hosts the AVX-512 one, plain
-and with bf16 dot products); head sizes that are not a multiple of 64 stay on the AVX2 algorithm.
+and with bf16 dot products, and on AMX hosts the tiles for tasks of 16 or more query rows: long
+bf16 chunks in pieces, GQA groups of 16-token chunks); head sizes that are not a multiple of 64
+stay on the AVX2 algorithm.
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ the one a decode batch of 1-8 rows finds for it; it runs on the avx512_bf16 vari
 and on amx with AMX-INT8, whose tiles take the uint8 x int8 sums (`TDPBUSD`, 1024 products an
 instruction; the tail as its low and high bytes). A float32 head (on every VNNI variant,
 where oneDNN's float32 GEMM takes 16 products an instruction) computes them with float32 sums in
-a fixed order (`gemv_f32_pairs`). Argmax-only batches without sampled rows only. Memory: a second
-int8 copy in the packed layout (half a bf16 head, a quarter of a float32 one).
+a fixed order (`gemv_f32_pairs`). Argmax-only batches without sampled rows only, and the
+screen hands over each row's argmax (int64 [rows]), not logits: the int8 logits are stored only
+in 16-column blocks that can reach a row's floor (`screen_gemm_u8(..., floor=...)`), so no
+[rows, V] array is written or scanned. Memory: a second int8 copy in the packed layout (half a
+bf16 head, a quarter of a float32 one), its huge pages faulted in when the model loads.
 """
 
 from __future__ import annotations

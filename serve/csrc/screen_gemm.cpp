@@ -114,110 +114,133 @@ inline void accumulate(__m512i* a0, __m512i* a1, const char* w, const void* x_in
   }
 }
 
-// Rows m0 .. m0 + R - 1 by the 32 columns of blocks b0, b0 + 1; each row's lower and upper
-// bounds (y -+ b) folded into lo / hi [R * 16] lanes. One-dimensional accumulator arrays, fully
-// unrolled: GCC keeps them in registers (a two-dimensional one it spilled on every product).
-// `ahead`: prefetch the next tile's weights (accumulate).
-// a0 / a1 [R] = the two blocks' sums for R rows: from `given` (rows of a [.][32] int32 array, the
-// AMX path's) or accumulated here with `dot` (accumulate's arguments).
+// a0 / a1 [R] = the two blocks' sums for R rows by `dot` (accumulate's arguments). One-dimensional
+// accumulator arrays, fully unrolled: GCC keeps them in registers (a two-dimensional one it
+// spilled on every product).
 template <int R, typename Dot>
-inline void sums_of(__m512i* a0, __m512i* a1, const int32_t* given, const char* w, const void* x, int64_t xstride,
-                    int64_t steps, bool ahead, Dot dot) {
-  if (given) {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      a0[r] = _mm512_load_si512(given + r * kGroupCols);
-      a1[r] = _mm512_load_si512(given + r * kGroupCols + kLanes);
-    }
-    return;
-  }
+inline void sums_of(__m512i* a0, __m512i* a1, const char* w, const void* x, int64_t xstride, int64_t steps, bool ahead,
+                    Dot dot) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
   accumulate<R>(a0, a1, w, x, xstride, steps, ahead, dot);
 }
 
-// `sums`, `tail_sums`: the main and tail channels' int32 sums already computed on AMX tiles (rows R
-// of [.][32] arrays, the same exact integers), else they are summed here (vpdpbusd, vpdpwssd).
-// `floors` (per row, or nullptr: every tile stored): a row's 16 logits of a column block are
-// stored only where one of their upper bounds reaches the row's floor (g.written says which).
-template <int R>
-void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const int32_t* sums,
-          const int32_t* tail_sums, const float* floors) {
-  const int64_t Kq = g.Km / 4, Tp = g.T / 2;
-  alignas(64) float part[2][R][kLanes];  // the main channels' share of each logit
-  {
-    __m512i a0[R], a1[R];
-    sums_of<R>(a0, a1, sums, reinterpret_cast<const char*>(g.main + b0 * Kq * 64), g.u + m0 * g.Km, g.Km, Kq, ahead,
-               [](__m512i acc, __m512i x, __m512i w) { return vpdpbusd(acc, x, w); });
-    const int64_t col = b0 * kLanes;
-    const __m512i rs0 = _mm512_loadu_si512(g.rowsum + col), rs1 = _mm512_loadu_si512(g.rowsum + col + kLanes);
-    const __m512 s0 = _mm512_loadu_ps(g.scale + col), s1 = _mm512_loadu_ps(g.scale + col + kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const float* p = g.params + (m0 + r) * 3;
-      const __m512i z = _mm512_set1_epi32(static_cast<int32_t>(p[2]));
-      const __m512 t = _mm512_set1_ps(p[0]);
-      _mm512_store_ps(part[0][r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0[r], _mm512_mullo_epi32(z, rs0))), _mm512_mul_ps(s0, t)));
-      _mm512_store_ps(part[1][r], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1[r], _mm512_mullo_epi32(z, rs1))), _mm512_mul_ps(s1, t)));
+// The epilogue of rows m0 .. m0 + R - 1 by the 32 columns of blocks b0, b0 + 1, from their exact
+// int32 sums: A (main channels) and B (tail channels), rows of [.][32] arrays. Each row's logits
+// y = s * (t * (A - z * rowsum) + t2 * B) and bounds y -+ b, b = a * s + c * s_l1, folded into the
+// row's 16 lanes of lo / hi and its tile maximum (g.tile_hi); the logits stored (streamed: whole
+// aligned blocks) unless `Sparse`, where a block is stored only if one of its upper bounds reaches
+// the row's floor so far (floors[m]; g.written says 1 stored or past V, 0 left). One row at a time
+// with every value in registers and the row's lanes read and written once: the per-block version
+// (store, reload, a store-forwarded lane update per block) took a third of the screen's time.
+template <bool Sparse>
+void rows_epilogue(const Gemm& g, int64_t m0, int64_t R, int64_t b0, const int32_t* A, const int32_t* B, float* lo, float* hi,
+                   const float* floors) {
+  const int64_t col = b0 * kLanes, V = g.V, groups = g.groups;
+  const auto lane_mask = [](int64_t left) {
+    if (left <= 0) return static_cast<__mmask16>(0);
+    return left >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+  };
+  const __mmask16 k0 = lane_mask(V - col), k1 = lane_mask(V - col - kLanes);
+  const __m512i rs0 = _mm512_loadu_si512(g.rowsum + col), rs1 = _mm512_loadu_si512(g.rowsum + col + kLanes);
+  const __m512 s0 = _mm512_loadu_ps(g.scale + col), s1 = _mm512_loadu_ps(g.scale + col + kLanes);
+  const __m512 sl0 = _mm512_loadu_ps(g.scale_l1 + col), sl1 = _mm512_loadu_ps(g.scale_l1 + col + kLanes);
+  const float* __restrict params = g.params;
+  const float* __restrict pa = g.a;
+  const float* __restrict pc = g.c;
+  float* __restrict tile_hi = g.tile_hi;
+  float* const out = g.out;
+  uint8_t* const written = g.written;
+  const bool stream = g.stream;
+  const __m512 neg = _mm512_set1_ps(kNegInf);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    const __m512i z = _mm512_set1_epi32(static_cast<int32_t>(params[m * 3 + 2]));
+    const __m512 t = _mm512_set1_ps(params[m * 3]), t2 = _mm512_set1_ps(params[m * 3 + 1]);
+    const __m512 va = _mm512_set1_ps(pa[m]), vc = _mm512_set1_ps(pc[m]);
+    const int32_t* ar = A + r * kGroupCols;
+    const int32_t* br = B + r * kGroupCols;
+    const auto logit = [&](const int32_t* a_sums, const int32_t* b_sums, __m512i rs, __m512 s) {
+      const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(a_sums), _mm512_mullo_epi32(z, rs))),
+                                        _mm512_mul_ps(s, t));
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(b_sums)), _mm512_mul_ps(s, t2), part);
+    };
+    const __m512 y0 = logit(ar, br, rs0, s0), y1 = logit(ar + kLanes, br + kLanes, rs1, s1);
+    const __m512 b0v = _mm512_fmadd_ps(vc, sl0, _mm512_mul_ps(va, s0)), b1v = _mm512_fmadd_ps(vc, sl1, _mm512_mul_ps(va, s1));
+    const __m512 up0 = _mm512_add_ps(y0, b0v), up1 = _mm512_add_ps(y1, b1v);
+    float* lr = lo + r * kLanes;
+    float* hr = hi + r * kLanes;
+    __m512 l = _mm512_loadu_ps(lr), h = _mm512_loadu_ps(hr);
+    l = _mm512_mask_max_ps(l, k0, l, _mm512_sub_ps(y0, b0v));
+    l = _mm512_mask_max_ps(l, k1, l, _mm512_sub_ps(y1, b1v));
+    const __m512 first = _mm512_mask_mov_ps(neg, k0, up0);
+    const __m512 top = _mm512_mask_max_ps(first, k1, first, up1);  // -inf in lanes past V
+    h = _mm512_max_ps(h, top);
+    _mm512_storeu_ps(lr, l);
+    _mm512_storeu_ps(hr, h);
+    tile_hi[m * groups + b0 / 2] = _mm512_reduce_max_ps(top);
+    float* row = out + m * V + col;
+    const auto put = [&](float* dst, __m512 y, __mmask16 k) {
+      if (stream && k == 0xffff) _mm512_stream_ps(dst, y);
+      else _mm512_mask_storeu_ps(dst, k, y);
+    };
+    if (Sparse) {
+      const __m512 f = _mm512_set1_ps(floors[m]);
+      const bool keep0 = _mm512_mask_cmp_ps_mask(k0, up0, f, _CMP_GE_OQ) != 0;
+      const bool keep1 = _mm512_mask_cmp_ps_mask(k1, up1, f, _CMP_GE_OQ) != 0;
+      if (keep0) put(row, y0, k0);
+      if (keep1) put(row + kLanes, y1, k1);
+      written[m * 2 * groups + b0] = keep0 || k0 == 0;
+      written[m * 2 * groups + b0 + 1] = keep1 || k1 == 0;
+    } else {
+      if (k0) put(row, y0, k0);
+      if (k1) put(row + kLanes, y1, k1);
     }
   }
-  __m512i a0[R], a1[R];
-  sums_of<R>(a0, a1, tail_sums, reinterpret_cast<const char*>(g.tail + b0 * Tp * 32), g.w16 + m0 * g.T, g.T * 2, Tp, ahead,
-             [](__m512i acc, __m512i x, __m512i w) { return vpdpwssd(acc, x, w); });
-  alignas(64) int32_t tails[2][R][kLanes];  // the tail channels' sums
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_si512(tails[0][r], a0[r]);
-    _mm512_store_si512(tails[1][r], a1[r]);
-  }
-  __m512 top[R];  // per row, the tile's upper bounds folded lane-wise
-  if (g.written != nullptr)  // 1: stored (or past V), 0: left as it was
-    for (int r = 0; r < R; ++r) g.written[(m0 + r) * 2 * g.groups + b0] = g.written[(m0 + r) * 2 * g.groups + b0 + 1] = 1;
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) top[r] = _mm512_set1_ps(kNegInf);
-  for (int j = 0; j < 2; ++j) {
-    const int64_t col = (b0 + j) * kLanes;
-    const int64_t left = g.V - col;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 sv = _mm512_loadu_ps(g.scale + col), slv = _mm512_loadu_ps(g.scale_l1 + col);
-    for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const __m512 t2 = _mm512_mul_ps(sv, _mm512_set1_ps(g.params[m * 3 + 1]));
-      const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(tails[j][r])), t2, _mm512_load_ps(part[j][r]));
-      const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(g.c[m]), slv, _mm512_mul_ps(_mm512_set1_ps(g.a[m]), sv));
-      const __m512 up = _mm512_add_ps(y, b);
-      if (floors == nullptr || _mm512_mask_cmp_ps_mask(mask, up, _mm512_set1_ps(floors[m]), _CMP_GE_OQ)) {
-        if (g.stream && mask == 0xffff) _mm512_stream_ps(g.out + m * g.V + col, y);
-        else _mm512_mask_storeu_ps(g.out + m * g.V + col, mask, y);
-      } else {
-        g.written[m * 2 * g.groups + b0 + j] = 0;
-      }
-      float* lr = lo + r * kLanes;
-      float* hr = hi + r * kLanes;
-      _mm512_storeu_ps(lr, _mm512_mask_max_ps(_mm512_loadu_ps(lr), mask, _mm512_loadu_ps(lr), _mm512_sub_ps(y, b)));
-      _mm512_storeu_ps(hr, _mm512_mask_max_ps(_mm512_loadu_ps(hr), mask, _mm512_loadu_ps(hr), up));
-      top[r] = _mm512_mask_max_ps(top[r], mask, top[r], up);
-    }
-  }
-  for (int r = 0; r < R; ++r) g.tile_hi[(m0 + r) * g.groups + b0 / 2] = _mm512_reduce_max_ps(top[r]);
 }
 
-void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const int32_t* sums,
-              const int32_t* tail_sums, const float* floors) {
+// Rows m0 .. m0 + R - 1 by the 32 columns of blocks b0, b0 + 1 on VNNI: the main and tail
+// channels' sums (vpdpbusd, vpdpwssd; `ahead`: prefetch the next tile's weights) into [R][32]
+// arrays, then rows_epilogue; `floors` (per row, or nullptr: every block stored) as there.
+template <int R>
+void tile(const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const float* floors) {
+  const int64_t Kq = g.Km / 4, Tp = g.T / 2;
+  alignas(64) int32_t sums[R][kGroupCols], tails[R][kGroupCols];
+  const auto keep = [](int32_t (*dst)[kGroupCols], const __m512i* a0, const __m512i* a1) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_si512(dst[r], a0[r]);
+      _mm512_store_si512(dst[r] + kLanes, a1[r]);
+    }
+  };
+  {
+    __m512i a0[R], a1[R];
+    sums_of<R>(a0, a1, reinterpret_cast<const char*>(g.main + b0 * Kq * 64), g.u + m0 * g.Km, g.Km, Kq, ahead,
+               [](__m512i acc, __m512i x, __m512i w) { return vpdpbusd(acc, x, w); });
+    keep(sums, a0, a1);
+  }
+  __m512i a0[R], a1[R];
+  sums_of<R>(a0, a1, reinterpret_cast<const char*>(g.tail + b0 * Tp * 32), g.w16 + m0 * g.T, g.T * 2, Tp, ahead,
+             [](__m512i acc, __m512i x, __m512i w) { return vpdpwssd(acc, x, w); });
+  keep(tails, a0, a1);
+  if (floors != nullptr) rows_epilogue<true>(g, m0, R, b0, sums[0], tails[0], lo, hi, floors);
+  else rows_epilogue<false>(g, m0, R, b0, sums[0], tails[0], lo, hi, floors);
+}
+
+void tile_any(int rows, const Gemm& g, int64_t m0, int64_t b0, float* lo, float* hi, bool ahead, const float* floors) {
   switch (rows) {
-    case 1: return tile<1>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 2: return tile<2>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 3: return tile<3>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 4: return tile<4>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 5: return tile<5>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 6: return tile<6>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 7: return tile<7>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 8: return tile<8>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 9: return tile<9>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 10: return tile<10>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    case 11: return tile<11>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
-    default: return tile<kRows>(g, m0, b0, lo, hi, ahead, sums, tail_sums, floors);
+    case 1: return tile<1>(g, m0, b0, lo, hi, ahead, floors);
+    case 2: return tile<2>(g, m0, b0, lo, hi, ahead, floors);
+    case 3: return tile<3>(g, m0, b0, lo, hi, ahead, floors);
+    case 4: return tile<4>(g, m0, b0, lo, hi, ahead, floors);
+    case 5: return tile<5>(g, m0, b0, lo, hi, ahead, floors);
+    case 6: return tile<6>(g, m0, b0, lo, hi, ahead, floors);
+    case 7: return tile<7>(g, m0, b0, lo, hi, ahead, floors);
+    case 8: return tile<8>(g, m0, b0, lo, hi, ahead, floors);
+    case 9: return tile<9>(g, m0, b0, lo, hi, ahead, floors);
+    case 10: return tile<10>(g, m0, b0, lo, hi, ahead, floors);
+    case 11: return tile<11>(g, m0, b0, lo, hi, ahead, floors);
+    default: return tile<kRows>(g, m0, b0, lo, hi, ahead, floors);
   }
 }
 
@@ -250,7 +273,7 @@ void refill(const Gemm& g, int64_t M, const float* bp, const float* used) {
       uint8_t* w = g.written + m * 2 * g.groups;
       for (int64_t grp = 0; grp < g.groups; ++grp) {
         if ((w[2 * grp] && w[2 * grp + 1]) || g.tile_hi[m * g.groups + grp] < floor) continue;
-        tile_any(1, g, m, 2 * grp, lo, hi, false, nullptr, nullptr, nullptr);
+        tile_any(1, g, m, 2 * grp, lo, hi, false, nullptr);
         w[2 * grp] = w[2 * grp + 1] = 2;
       }
     }
@@ -310,12 +333,13 @@ float dot_f32(const float* x, const float* w, int64_t K) {
 
 namespace {
 
-// sums [32][32] int32 = the main channels of 16 or 32 (TwoM) uint8 rows u (stride Km) by the two
-// packed blocks from w: per 64 channels one TDPBUSD per 16 x 16 block, the weights' quads read
-// as the B tile in place (block b, quads 16 kc .. 16 kc + 15 are 1 KiB at kc * 1024). `next`: the
-// following tile's weights, asked into L2 as these are used (the first row block only).
+// The main channels of 16 or 32 (TwoM) uint8 rows u (stride Km) by the two packed blocks from w,
+// into tiles 0, 1 (rows 0-15) and 2, 3 (rows 16-31): per 64 channels one TDPBUSD per 16 x 16
+// block, the weights' quads read as the B tile in place (block b, quads 16 kc .. 16 kc + 15 are
+// 1 KiB at kc * 1024). `next`: the following tile's weights, asked into L2 as these are used (the
+// first row block only). Only issued: amx_main_store writes the sums once the products are done.
 template <bool TwoM>
-void amx_main_sums(const uint8_t* u, int64_t Km, const int8_t* w, const int8_t* next, int32_t* sums) {
+void amx_main_issue(const uint8_t* u, int64_t Km, const int8_t* w, const int8_t* next) {
   const int64_t block = Km * kLanes;
   _tile_zero(0);
   _tile_zero(1);
@@ -341,6 +365,11 @@ void amx_main_sums(const uint8_t* u, int64_t Km, const int8_t* w, const int8_t* 
       _tile_dpbusd(3, 5, 7);
     }
   }
+}
+
+// sums [32][32] int32 = amx_main_issue's tiles (rows 16-31 only when TwoM).
+template <bool TwoM>
+void amx_main_store(int32_t* sums) {
   _tile_stored(0, sums, kGroupCols * 4);
   _tile_stored(1, sums + kLanes, kGroupCols * 4);
   if (TwoM) {
@@ -349,12 +378,11 @@ void amx_main_sums(const uint8_t* u, int64_t Km, const int8_t* w, const int8_t* 
   }
 }
 
-// tails [16][32] int32 += the tail channels of 16 rows by the two blocks from w: the int16 values
-// as bytes, lo (uint8, TDPBUSD) and hi (int8, TDPBSSD), so hi * 256 + lo is the vpdpwssd sum. A
-// row of lo / hi holds the tail's quads then zeros to 64 bytes, so the weight tile's quads past a
-// block's own (the next block's, or the spare KiB after the last) add nothing.
-void amx_tail_sums(const uint8_t* lo, const int8_t* hi, const int8_t* w, int64_t block, int32_t* tails) {
-  alignas(64) int32_t part[2][16 * kGroupCols];
+// The tail channels of 16 rows by the two blocks from w, into tiles 0-3: the int16 values as
+// bytes, lo (uint8, TDPBUSD) and hi (int8, TDPBSSD), so hi * 256 + lo is the vpdpwssd sum. A row
+// of lo / hi holds the tail's quads then zeros to 64 bytes, so the weight tile's quads past a
+// block's own (the next block's, or the spare KiB after the last) add nothing. Only issued.
+void amx_tail_issue(const uint8_t* lo, const int8_t* hi, const int8_t* w, int64_t block) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -367,6 +395,11 @@ void amx_tail_sums(const uint8_t* lo, const int8_t* hi, const int8_t* w, int64_t
   _tile_dpbusd(1, 4, 7);
   _tile_dpbssd(2, 5, 6);
   _tile_dpbssd(3, 5, 7);
+}
+
+// tails [16][32] int32 = hi * 256 + lo of amx_tail_issue's tiles.
+void amx_tail_store(int32_t* tails) {
+  alignas(64) int32_t part[2][16 * kGroupCols];
   _tile_stored(0, part[0], kGroupCols * 4);
   _tile_stored(1, part[0] + kLanes, kGroupCols * 4);
   _tile_stored(2, part[1], kGroupCols * 4);
@@ -376,34 +409,62 @@ void amx_tail_sums(const uint8_t* lo, const int8_t* hi, const int8_t* w, int64_t
                                                    _mm512_load_si512(part[0] + i)));
 }
 
+// A row block's sums waiting for its epilogue: rows m0 .. m0 + rows - 1 of tile `grp`.
+struct Pending {
+  int64_t m0 = 0, rows = 0, grp = -1;
+  alignas(64) int32_t sums[32 * kGroupCols];
+  alignas(64) int32_t tails[32 * kGroupCols];
+};
+
+// Rows [r0, r1) of a pending block's epilogue (rows_epilogue); nothing when none is pending.
+void pending_rows(const Gemm& g, const Pending& p, int64_t r0, int64_t r1, float* lo, float* hi, const float* floors) {
+  r1 = std::min(r1, p.rows);
+  if (p.grp < 0 || r0 >= r1) return;
+  const int64_t m = p.m0 + r0;
+  const int32_t* a = p.sums + r0 * kGroupCols;
+  const int32_t* b = p.tails + r0 * kGroupCols;
+  if (floors != nullptr) rows_epilogue<true>(g, m, r1 - r0, 2 * p.grp, a, b, lo + m * kLanes, hi + m * kLanes, floors);
+  else rows_epilogue<false>(g, m, r1 - r0, 2 * p.grp, a, b, lo + m * kLanes, hi + m * kLanes, floors);
+}
+
 // Tiles [g0, g1) of every row with the sums on AMX tiles (u, lo, hi padded to whole 16-row blocks),
-// the bounds as on AVX-512: the same integers, so the same logits and bounds.
+// the bounds as on AVX-512: the same integers, so the same logits and bounds. Software-pipelined
+// by row block: the previous block's epilogue (AVX-512) runs in thirds while this block's
+// products are in flight, each before the tile stores that would wait for them (perf put a sixth
+// of the screen's time on those stores and on the tile loads queued behind them).
 void amx_groups(const Gemm& g, const uint8_t* u, const uint8_t* tlo, const int8_t* thi, const int8_t* tail8, int64_t tq,
                 int64_t M, int64_t g0, int64_t g1, int64_t groups, float* lo, float* hi, float* floors) {
   warsha::configure_tiles();
-  alignas(64) int32_t sums[32 * kGroupCols];
-  alignas(64) int32_t tails[32 * kGroupCols];
+  Pending pend[2];
+  int which = 0;
   const int64_t block = g.Km * kLanes, tblock = tq * 64;
   for (int64_t grp = g0; grp < g1; ++grp) {
     if (floors != nullptr && (grp - g0) % kRefresh == 0) refresh_floors(g, M, lo, hi, floors);
     const int8_t* w = g.main + 2 * grp * block;
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      Pending& now = pend[which];
+      const Pending& prev = pend[which ^ 1];
       const int8_t* next = m0 == 0 && grp + 1 < groups ? w + 2 * block : nullptr;
       const bool two = m0 + 16 < M;
-      if (two) amx_main_sums<true>(u + m0 * g.Km, g.Km, w, next, sums);
-      else amx_main_sums<false>(u + m0 * g.Km, g.Km, w, next, sums);
+      const int64_t third = (prev.rows + 2) / 3;
+      if (two) amx_main_issue<true>(u + m0 * g.Km, g.Km, w, next);
+      else amx_main_issue<false>(u + m0 * g.Km, g.Km, w, next);
+      pending_rows(g, prev, 0, third, lo, hi, floors);
+      if (two) amx_main_store<true>(now.sums);
+      else amx_main_store<false>(now.sums);
       for (int64_t h = 0; h < (two ? 2 : 1); ++h) {
         const int64_t m = m0 + 16 * h;
-        amx_tail_sums(tlo + m * 64, thi + m * 64, tail8 + 2 * grp * tblock, tblock, tails + 16 * h * kGroupCols);
+        amx_tail_issue(tlo + m * 64, thi + m * 64, tail8 + 2 * grp * tblock, tblock);
+        pending_rows(g, prev, third * (h + 1), two && h == 0 ? 2 * third : prev.rows, lo, hi, floors);
+        amx_tail_store(now.tails + 16 * h * kGroupCols);
       }
-      const int64_t block_rows = std::min<int64_t>(32, M - m0);  // the rows `sums` holds
-      for (int64_t r = 0; r < block_rows; r += kRows) {
-        const int64_t m = m0 + r;
-        tile_any(static_cast<int>(std::min<int64_t>(kRows, block_rows - r)), g, m, 2 * grp, lo + m * kLanes, hi + m * kLanes,
-                 false, sums + r * kGroupCols, tails + r * kGroupCols, floors);
-      }
+      now.m0 = m0;
+      now.rows = std::min<int64_t>(32, M - m0);
+      now.grp = grp;
+      which ^= 1;
     }
   }
+  pending_rows(g, pend[which ^ 1], 0, pend[which ^ 1].rows, lo, hi, floors);
   _tile_release();
   if (g.stream) _mm_sfence();  // the streamed logits reach memory before screen_pairs reads them
 }
@@ -575,7 +636,7 @@ torch::Tensor screen_gemm_u8(const torch::Tensor& u, const torch::Tensor& w16, c
         if (fl != nullptr && (grp - g0) % kRefresh == 0) refresh_floors(g, M, tlo.data(), thi.data(), fl);
         for (int64_t m0 = 0; m0 < M; m0 += kRows)
           tile_any(static_cast<int>(std::min<int64_t>(kRows, M - m0)), g, m0, grp * 2, tlo.data() + m0 * kLanes,
-                   thi.data() + m0 * kLanes, m0 == 0 && grp + 1 < groups, nullptr, nullptr, fl);
+                   thi.data() + m0 * kLanes, m0 == 0 && grp + 1 < groups, fl);
       }
     const std::lock_guard<std::mutex> hold(merge);
     for (int64_t i = 0; i < M * kLanes; ++i) lo[i] = std::max(lo[i], tlo[i]), hi[i] = std::max(hi[i], thi[i]);

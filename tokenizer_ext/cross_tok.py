@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tokenizer_ext import chain_teacher
 from warsha.lm_loss import ColumnGroups, hidden_and_head, linear_cross_entropy, linear_cross_entropy_rows, trained_rows
 
 
@@ -161,30 +162,83 @@ def logits_ce(
     return -(picked.log() * teacher_probs.float()).sum()
 
 
-def teacher_top(teacher: Any, batch: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The base's top-``k`` next-token ids and renormalised probabilities at every aligned pair's
-    base position, in the order of ``pairs`` (padding pairs dropped)."""
+def teacher_forward(teacher: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """The base's ``hidden_and_head`` on the batch's base ids, without gradients."""
+    with torch.no_grad():
+        return hidden_and_head(teacher, batch["base_ids"], batch["base_mask"])
+
+
+def aligned(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch row, extended position, base position) of every aligned pair, padding pairs
+    dropped, in the order of ``pairs``."""
     pairs = batch["pairs"]
     rows, cols = torch.nonzero(pairs[..., 0] >= 0, as_tuple=True)
+    return rows, pairs[rows, cols, 0], pairs[rows, cols, 1]
+
+
+def teacher_top(
+    forward: tuple[Any, torch.Tensor], batch: dict[str, torch.Tensor], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base's top-``k`` next-token ids and renormalised probabilities at every aligned pair's
+    base position (``aligned``'s order), from its ``teacher_forward``."""
+    head, out = forward
+    rows, _, base_pos = aligned(batch)
     with torch.no_grad():
-        head, out = hidden_and_head(teacher, batch["base_ids"], batch["base_mask"])
-        picked = out[rows, pairs[rows, cols, 1]]
+        picked = out[rows, base_pos]
         logits = picked if head is None else torch.mm(picked, head.t())
         values, ids = torch.topk(logits.float(), k, -1)
     return ids, torch.softmax(values, -1)
 
 
+def chain_term(
+    forward: tuple[Any, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    at: torch.Tensor,
+    weight: torch.Tensor | None,
+    groups: chain_teacher.ChainGroups,
+) -> torch.Tensor:
+    """``chain_teacher.chain_ce`` at the aligned pairs whose base text goes on for a token (its
+    next base id, and the base's distribution one position later), averaged over those pairs;
+    ``at`` [pairs, d] is the extended model's final hidden state (or logits, ``weight`` None)."""
+    head, out = forward
+    rows, _, base_pos = aligned(batch)
+    nxt_pos = base_pos + 1
+    ok = nxt_pos < batch["base_ids"].shape[1]
+    ok[ok.clone()] = batch["base_mask"][rows[ok], nxt_pos[ok]] > 0
+    if not bool(ok.any()):
+        return at.sum() * 0.0
+    rows, nxt_pos, at = rows[ok], nxt_pos[ok], at[ok]
+    nxt = batch["base_ids"][rows, nxt_pos]
+    groups = chain_teacher.to(groups, at.device)
+    teacher = chain_teacher.second_logprobs(out[rows, nxt_pos], head, groups.group_second)
+    n, lo = len(groups.firsts), groups.first_new
+    if weight is None:
+        new_logits, nxt_logits = at[:, lo : lo + n], at.gather(1, nxt[:, None])[:, 0]
+    else:
+        new_logits = at @ weight[lo : lo + n].t()
+        nxt_logits = (at * weight[nxt]).sum(-1)
+    return chain_teacher.chain_ce(new_logits, nxt_logits, nxt, groups, teacher) / len(nxt)
+
+
 def loss_fn(
-    teacher: Any, firsts: torch.Tensor, first_new: int, k: int, distill_weight: float, nll_weight: float = 1.0
+    teacher: Any,
+    firsts: torch.Tensor,
+    first_new: int,
+    k: int,
+    distill_weight: float,
+    nll_weight: float = 1.0,
+    chain: tuple[chain_teacher.ChainGroups, float] | None = None,
 ) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]:
     """The training loss: ``nll_weight`` times the next-token loss on the extended tokens plus
     ``distill_weight`` times the aggregated cross-entropy against ``teacher`` at the aligned
-    positions (each term skipped at weight 0)."""
+    positions, plus, with ``chain`` (groups, weight), that weight times the chain teacher's second
+    level there (``chain_term``); each term skipped at weight 0."""
     from warsha.lm_loss import IGNORE_INDEX
 
     teacher.eval()
     for q in teacher.parameters():
         q.requires_grad_(False)
+    chain_weight = chain[1] if chain else 0.0
 
     def fn(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         weight, out = hidden_and_head(model, batch["input_ids"])
@@ -203,17 +257,21 @@ def loss_fn(
                     else linear_cross_entropy_rows(h, weight, *marked, targets[keep], ones)
                 )
             loss = loss + nll_weight * nll
-        if distill_weight:
-            t_ids, t_probs = teacher_top(teacher, batch, k)
-            pairs = batch["pairs"]
-            rows, cols = torch.nonzero(pairs[..., 0] >= 0, as_tuple=True)
-            at = out[rows, pairs[rows, cols, 0]]
-            if weight is None:
-                cols_new = _new_columns(firsts, first_new, at.device)
-                distill = logits_ce(at, *cols_new, first_new, t_ids, t_probs) / max(len(at), 1)
-            else:
-                distill = aggregated_ce(at, weight, firsts, first_new, t_ids, t_probs)
-            loss = loss + distill_weight * distill
+        if distill_weight or chain_weight:
+            forward = teacher_forward(teacher, batch)
+            rows, ext_pos, _ = aligned(batch)
+            at = out[rows, ext_pos]
+            if distill_weight:
+                t_ids, t_probs = teacher_top(forward, batch, k)
+                if weight is None:
+                    cols_new = _new_columns(firsts, first_new, at.device)
+                    distill = logits_ce(at, *cols_new, first_new, t_ids, t_probs) / max(len(at), 1)
+                else:
+                    distill = aggregated_ce(at, weight, firsts, first_new, t_ids, t_probs)
+                loss = loss + distill_weight * distill
+            if chain_weight:
+                assert chain is not None
+                loss = loss + chain_weight * chain_term(forward, batch, at, weight, chain[0])
         return loss
 
     return fn

@@ -38,7 +38,7 @@ def fit(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenizer_ext import cross_tok, mix, row_lr
+    from tokenizer_ext import chain_teacher, cross_tok, mix, row_lr
     from warsha.training import Trainer
 
     teacher = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32)
@@ -64,7 +64,10 @@ def fit(
             row_lr.scale_leading_rows(opt, weight, base_n, 0.0)
 
     firsts = cross_tok.first_pieces(sources)
-    loss_fn = cross_tok.loss_fn(teacher, firsts, base_n, p.fit_top_k, p.fit_distill_weight, p.fit_nll_weight)
+    chain = (chain_teacher.chain_groups(sources, base_n), p.fit_chain_weight) if p.fit_chain_weight else None
+    loss_fn = cross_tok.loss_fn(
+        teacher, firsts, base_n, p.fit_top_k, p.fit_distill_weight, p.fit_nll_weight, chain=chain
+    )
     trainer = Trainer(
         model=model,
         p=t,
@@ -85,6 +88,7 @@ def fit(
         "loss_curve": result.losses[::step],
         "distill_weight": p.fit_distill_weight,
         "nll_weight": p.fit_nll_weight,
+        "chain_weight": p.fit_chain_weight,
         "replay_windows_per_batch": n_written,
         "replay_docs": len(written),
         "trained": "map" if row_map is not None else "rows",

@@ -117,6 +117,14 @@ class EmbedParams(DomainEval):
     fit_nll_weight: float = field(
         default=1.0, metadata=check(ge(0.0), help="fit: weight of the next-token loss on the extended tokens")
     )
+    fit_chain_weight: float = field(
+        default=0.0,
+        metadata=check(
+            ge(0.0),
+            help="fit: weight of the chain-rule teacher's second level: how the base splits its next token's"
+            " mass among the new pieces starting with it, taught to every such piece (tokenizer_ext.chain_teacher)",
+        ),
+    )
     fit_top_k: int = field(default=32, metadata=check(ge(1), help="fit: base tokens kept per aligned position"))
     fit_source_fraction: float = field(
         default=0.25, metadata=check(ge(0.0), le(0.9), help="fit: share of source-language documents in the text")

@@ -50,7 +50,8 @@ def fit(
     matrices = trained_matrices(model)
     for q in model.parameters():
         q.requires_grad_(not p.fit_map and any(q is m for m in matrices))
-    row_map = _attach_map(model, matrices, base_n, sources, p.init_scale) if p.fit_map else None
+    reads = _reads(p, teacher, base_tok, sources, matrices[0][:base_n]) if p.fit_map and p.fit_map_reads else None
+    row_map = _attach_map(model, matrices, base_n, sources, p.init_scale, reads) if p.fit_map else None
 
     def batch_fn(step: int, micro: int, rank: int) -> dict[str, Any]:
         key = f"{ctx.seed}/{step}/{micro}/{rank}"
@@ -89,19 +90,41 @@ def fit(
         "distill_weight": p.fit_distill_weight,
         "nll_weight": p.fit_nll_weight,
         "chain_weight": p.fit_chain_weight,
+        "map_reads": list(p.fit_map_reads),
         "replay_windows_per_batch": n_written,
         "replay_docs": len(written),
         "trained": "map" if row_map is not None else "rows",
     }
 
 
-def _attach_map(model: Any, matrices: list[Any], base_n: int, sources: list[list[int]], scale: float) -> Any:
+def _attach_map(
+    model: Any, matrices: list[Any], base_n: int, sources: list[list[int]], scale: float, reads: Any = None
+) -> Any:
     """A ``row_map.RowMap`` registered on ``model`` (its checkpoints carry the maps)."""
     from tokenizer_ext import row_map
 
-    rmap = row_map.RowMap(matrices, base_n, sources, scale)
+    rmap = row_map.RowMap(matrices, base_n, sources, scale, reads)
     model.add_module("warsha_row_map", rmap)
     return rmap
+
+
+def _reads(p: "EmbedParams", teacher: Any, base_tok: Any, sources: list[list[int]], base_rows: Any) -> Any:
+    """``row_map.read_features`` of the base for ``p.fit_map_reads``, each block at
+    ``p.fit_map_read_scale`` times the mean norm of ``base_rows``: the map's block for them starts
+    at zero, and Adam moves it by about the rate per weight whatever the features' size, so that
+    factor is the block's learning rate relative to the rest of the map."""
+    from tokenizer_ext import row_map
+
+    states = teacher.config.get_text_config().num_hidden_layers + 1
+    bad = [i for i in p.fit_map_reads if not -states <= i < states]
+    if bad:
+        raise ValueError(
+            f"tokenizer_ext.embed: fit_map_reads {bad} out of range: the base has {states} hidden states"
+            f" (0 = the embeddings, {states - 1} or -1 = the final one)"
+        )
+    norm = float(base_rows.detach().float().norm(dim=1).mean())
+    log.info("fit: the base reads the %d new pieces' splits (hidden states %s)", len(sources), p.fit_map_reads)
+    return row_map.read_features(teacher, base_tok.bos_token_id, sources, p.fit_map_reads, norm * p.fit_map_read_scale)
 
 
 def _mapped_loss(loss_fn: Any, rmap: Any, matrices: list[Any]) -> Any:

@@ -38,15 +38,54 @@ def features(base: torch.Tensor, sources: Sequence[Sequence[int]]) -> torch.Tens
     return torch.stack(rows) if rows else base.new_zeros(0, 3 * base.shape[1] + 1)
 
 
-def mean_map(dim: int, scale: float) -> torch.Tensor:
-    """``[3 d + 1, d]``: the map that returns ``scale`` times the subword mean."""
-    w = torch.zeros(3 * dim + 1, dim)
+def mean_map(dim: int, scale: float, extra: int = 0) -> torch.Tensor:
+    """``[3 d + 1 + extra, d]``: the map that returns ``scale`` times the subword mean (the
+    ``extra`` rows, for ``read_features``, start at zero)."""
+    w = torch.zeros(3 * dim + 1 + extra, dim)
     w[:dim] = torch.eye(dim) * scale
     return w
 
 
+@torch.no_grad()
+def read_features(
+    base_model: Any,
+    bos: int | None,
+    sources: Sequence[Sequence[int]],
+    layers: Sequence[int],
+    norm: float,
+    batch: int = 512,
+) -> torch.Tensor:
+    """``[n, len(layers) d]``: the base's hidden states after reading ``[BOS] + split`` of each
+    piece, at its last subword, for each of ``layers`` (indices into ``output_hidden_states``: 0
+    the embeddings, -1 the final normed state); each block scaled to mean row norm ``norm``.
+
+    Why: the subword rows say what a piece is made of, not what the base makes of it; its
+    hidden states after reading the split are that reading, the input of the hypernetworks of
+    zero-shot tokenizer transfer (Minixhofer et al. 2024), here for a linear map. A piece with an
+    empty split reads zeros. Pieces are batched by length with right padding."""
+    d = base_model.get_input_embeddings().weight.shape[1]
+    out = torch.zeros(len(sources), len(layers), d)
+    start = [] if bos is None else [bos]
+    order = sorted((i for i, ids in enumerate(sources) if ids), key=lambda i: len(sources[i]))
+    for lo in range(0, len(order), batch):
+        idx = order[lo : lo + batch]
+        width = len(start) + len(sources[idx[-1]])
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(idx):
+            ids[r, : len(start) + len(sources[i])] = torch.tensor([*start, *sources[i]])
+            mask[r, : len(start) + len(sources[i])] = 1
+        states = base_model.get_decoder()(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        last = mask.sum(1) - 1
+        for k, layer in enumerate(layers):
+            out[torch.tensor(idx), k] = states[layer][torch.arange(len(idx)), last].float()
+    scale = norm / out.norm(dim=2).sum(0).clamp_min(1e-12) * max(len(order), 1)  # [layers]
+    return (out * scale[None, :, None]).reshape(len(sources), len(layers) * d)
+
+
 class RowMap(torch.nn.Module):
-    """The new rows ``[first, first + n)`` of each matrix as ``features @ map``.
+    """The new rows ``[first, first + n)`` of each matrix as ``features @ map`` (with ``reads``,
+    ``read_features`` appended to every matrix's features).
 
     One map per matrix (an untied head gets its own); every other row stays the matrix's own,
     frozen. Registered on the model during the fit, so its checkpoints carry the maps and the
@@ -54,7 +93,12 @@ class RowMap(torch.nn.Module):
     """
 
     def __init__(
-        self, matrices: Sequence[torch.nn.Parameter], first: int, sources: Sequence[Sequence[int]], scale: float
+        self,
+        matrices: Sequence[torch.nn.Parameter],
+        first: int,
+        sources: Sequence[Sequence[int]],
+        scale: float,
+        reads: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.first, self.n = first, len(sources)
@@ -65,8 +109,12 @@ class RowMap(torch.nn.Module):
                     "tokenizer_ext.embed: fit_map needs whole matrices, not ZeRO-3 partitions; run embed"
                     " without a DeepSpeed ZeRO-3 config (the fit trains a small map, it needs no sharding)"
                 )
-            self.register_buffer(f"features_{i}", features(w.detach()[:first], sources), persistent=False)
-            self.maps.append(torch.nn.Parameter(mean_map(w.shape[1], scale).to(w.device)))
+            feats = features(w.detach()[:first], sources)
+            extra = 0 if reads is None else reads.shape[1]
+            if reads is not None:
+                feats = torch.cat([feats, reads.to(feats)], 1)
+            self.register_buffer(f"features_{i}", feats, persistent=False)
+            self.maps.append(torch.nn.Parameter(mean_map(w.shape[1], scale, extra).to(w.device)))
 
     def rows(self, i: int) -> torch.Tensor:
         """The new rows of matrix ``i`` under the current map."""

@@ -117,6 +117,19 @@ class EmbedParams(DomainEval):
     fit_nll_weight: float = field(
         default=1.0, metadata=check(ge(0.0), help="fit: weight of the next-token loss on the extended tokens")
     )
+    fit_map_reads: list[int] = field(
+        default_factory=list,
+        metadata=check(
+            help="fit_map: the base's hidden states (indices: 0 the embeddings, -1 the final one) after reading"
+            " [BOS] + a piece's split join the map's features, e.g. [6, -1] (tokenizer_ext.row_map.read_features)"
+        ),
+    )
+    fit_map_read_scale: float = field(
+        default=10.0,
+        metadata=check(
+            gt(0.0), help="fit_map_reads: each block's mean norm in base rows' norms (its rate relative to the map's)"
+        ),
+    )
     fit_chain_weight: float = field(
         default=0.0,
         metadata=check(
@@ -144,7 +157,10 @@ class EmbedParams(DomainEval):
 
     def validate(self) -> list[str]:
         """The other-domain sets, and a replay share that is a whole number of windows."""
-        return super().validate() + share_problems("fit_replay_fraction", self.fit_replay_fraction, self.fit.batch_size)
+        problems = share_problems("fit_replay_fraction", self.fit_replay_fraction, self.fit.batch_size)
+        if self.fit_map_reads and not self.fit_map:
+            problems.append("fit_map_reads: the reads are features of the map; set fit_map: true (or drop them)")
+        return super().validate() + problems
 
 
 @dataclass

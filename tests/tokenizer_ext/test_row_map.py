@@ -128,3 +128,45 @@ def test_a_mapped_matrix_is_marked_with_its_mapped_rows() -> None:
     assert ids.tolist() == [20, 21, 22] and values.requires_grad
     assert torch.equal(full[20:23], values) and torch.equal(full[:20], w.detach()[:20])
     assert trained_rows(w) is None
+
+
+def test_read_features_are_the_base_reading_each_split_alone(tmp_path: Path) -> None:
+    """Batched by length with padding, against one unpadded forward per piece; each block is
+    scaled to the asked mean norm, an empty split reads zeros."""
+    model = tiny_llama(tmp_path / "m", vocab=40, tie=True).eval()
+    sources = [[3, 1, 4], [1, 5], [], [9], [7, 7, 2, 8]]
+    got = row_map.read_features(model, 0, sources, [1, -1], norm=2.5, batch=2)
+    assert got.shape == (5, 2 * 64)
+    with torch.no_grad():
+        want = torch.zeros(5, 2, 64)
+        for i, ids in enumerate(sources):
+            if ids:
+                states = model(input_ids=torch.tensor([[0, *ids]]), output_hidden_states=True).hidden_states
+                want[i, 0], want[i, 1] = states[1][0, -1], states[-1][0, -1]
+    want = want * (2.5 / want.norm(dim=2).sum(0) * 4)[None, :, None]  # four non-empty splits
+    torch.testing.assert_close(got, want.reshape(5, 128), atol=1e-5, rtol=1e-4)
+    assert got.reshape(5, 2, 64)[[0, 1, 3, 4]].norm(dim=2).mean(0).sub(2.5).abs().max() < 1e-4
+
+
+def test_a_map_with_reads_starts_as_the_subword_mean() -> None:
+    weight = torch.nn.Parameter(torch.randn(16, 6))
+    sources = [[1, 2], [3], [4, 5, 6]]
+    rmap = row_map.RowMap([weight], 10, sources, scale=1.0, reads=torch.randn(3, 12))
+    assert rmap.maps[0].shape == (3 * 6 + 1 + 12, 6)
+    torch.testing.assert_close(rmap.rows(0), embed.new_rows(weight.detach(), 10, sources, "subword_mean", seed=0))
+
+
+def test_fit_map_reads_train_the_reads_block_and_check_their_layers(
+    tmp_path: Path, trained_base: Path, corpus: Any
+) -> None:
+    import pytest
+
+    from tokenizer_ext.stages import EmbedParams
+
+    assert EmbedParams(fit_map_reads=[1]).validate() and not EmbedParams(fit_map=True, fit_map_reads=[1]).validate()
+    ctx = make_ctx(tmp_path, trained_base, corpus, "embed")
+    metrics = embed.run(ctx, _fit_params(2, fit_map=True, fit_map_reads=[1, -1]))
+    assert metrics["fit"]["map_reads"] == [1, -1] and metrics["fit"]["steps_run"] == 2
+    bad = make_ctx(tmp_path, trained_base, corpus, "embed_bad")
+    with pytest.raises(ValueError, match="fit_map_reads \\[7\\] out of range"):
+        embed.run(bad, _fit_params(2, fit_map=True, fit_map_reads=[7]))

@@ -12,7 +12,9 @@ transfer, Minixhofer et al. 2024), with about a quarter of the parameters.
 Each piece is described by three rows of the base: the mean of its split's rows, its first
 and its last subword's row, and a constant. The map starts as the subword mean times
 ``scale`` (exactly what ``embed.initialise`` writes), so its fit starts where the rows fit
-starts.
+starts. With ``embed``'s ``fit_map_reads`` a piece is also described by what the base makes of
+it: its hidden states after reading the piece's split (``read_features``), a block of the map
+that starts at zero.
 """
 
 from __future__ import annotations
